@@ -1,0 +1,61 @@
+"""The whole pipeline, top to bottom (docs/architecture.md draws it):
+
+  1. capture    Dynamo hands over an FX graph of torch-level calls (before autograd)
+  2. normalize  one spelling per op                                   passes/normalize.py
+  3. fuse       subgraphs → graphopt:: ops, or a miss with a reason   passes/fuse_*.py, in passes/registry.py order
+  4. autograd   aot_autograd traces forward + backward; each graphopt op brings its own backward op
+  5. partition  what the backward saves: Inductor's min-cut
+  6. lower      each graphopt op → the target's implementation; the rest → Inductor (or eager)   lowering/
+  7. report     everything the stages recorded                        graphopt/report.py
+"""
+
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.decomposition import select_decomp_table
+
+from graphopt.devices import resolve_target
+from graphopt.lowering import registry as lowering_registry
+from graphopt.options import Options
+from graphopt.passes.normalize import normalize
+from graphopt.passes.registry import FUSIONS
+from graphopt.report import Report, publish, reports
+
+
+def compile_graph(gm, example_inputs, options: Options):
+    # 1. capture
+    report = Report(graph=len(reports()), nodes_captured=len(gm.graph.nodes))
+    report.target = resolve_target(options.target, example_inputs)
+
+    # 2. normalize
+    normalize(gm)
+
+    # 3. fuse
+    for name, fuse in FUSIONS.items():
+        if name in options.fusions:
+            fuse(gm, report)
+
+    # 6 (decided here, applied below autograd). lower
+    lowering = lowering_registry.lowering_for(report.target)
+    lowering_registry.record(gm, lowering, report)
+
+    # 7. report — published before compiling, so a compile error can be read against it
+    publish(report, options.report)
+
+    # 4–6. autograd, partition, lower
+    return _autograd_partition_lower(gm, example_inputs, lowering)
+
+
+def _autograd_partition_lower(gm, example_inputs, lowering):
+    if lowering.inductor:
+        # compile_fx runs aot_autograd, Inductor's joint-graph passes and min-cut partitioner, then its codegen.
+        # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.
+        decompositions = {**select_decomp_table(), **lowering.decompositions}
+        return compile_fx(gm, example_inputs, decompositions=decompositions)
+    return aot_autograd(
+        fw_compiler=boxed_nop,
+        bw_compiler=boxed_nop,
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)

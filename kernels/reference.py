@@ -1,0 +1,35 @@
+"""Pure-torch references of every graphopt op: the definition of correct (fp32 math; fp64 for fp64 inputs).
+
+Kept free of Triton so every device, and every test, can run them.
+
+RMSNorm:  y = x * rsqrt(mean(x², last dim) + eps) * (weight + weight_offset), rounded once to out_dtype.
+`weight_offset` is 0 for Llama-style norms and 1 for Gemma's `(1 + weight)`.
+"""
+
+import torch
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def rms_norm(x, weight, eps, weight_offset, out_dtype):
+    xf = x.to(_compute_dtype(x))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.to(xf.dtype) + weight_offset)
+    return y.to(out_dtype)
+
+
+def rms_norm_backward(grad_out, x, weight, eps, weight_offset, compute_weight_grad):
+    xf = x.to(_compute_dtype(x))
+    dy = grad_out.to(xf.dtype)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    x_hat = xf * rstd
+    g = dy * (weight.to(xf.dtype) + weight_offset) if weight is not None else dy
+    grad_x = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    if compute_weight_grad:
+        grad_w = (dy * x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    else:
+        grad_w = x.new_empty(0)
+    return grad_x.to(x.dtype), grad_w

@@ -1,0 +1,66 @@
+"""The contract: every graphopt:: op, its shape-only fake implementation and its autograd wiring.
+
+The body of each op is the pure-torch reference (kernels/reference.py), so any device can run it; targets
+register faster implementations for their device type (lowering/cuda.py) or decompositions (lowering/cpu.py).
+A forward op's backward is itself one graphopt:: op, so backward graphs stay one node per fused op.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from graphopt.kernels import reference
+
+
+# --- rms_norm -------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("graphopt::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float, out_dtype: torch.dtype) -> Tensor:
+    """x * rsqrt(mean(x², -1) + eps) * (weight + weight_offset), fp32 math, one rounding to out_dtype."""
+    return reference.rms_norm(x, weight, eps, weight_offset, out_dtype)
+
+
+@rms_norm.register_fake
+def _rms_norm_fake(x, weight, eps, weight_offset, out_dtype):
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("graphopt::rms_norm_backward", mutates_args=())
+def rms_norm_backward(
+    grad_out: Tensor, x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float, compute_weight_grad: bool
+) -> tuple[Tensor, Tensor]:
+    """(grad_x, grad_weight); grad_weight is an empty tensor when compute_weight_grad is False."""
+    return reference.rms_norm_backward(grad_out, x, weight, eps, weight_offset, compute_weight_grad)
+
+
+@rms_norm_backward.register_fake
+def _rms_norm_backward_fake(grad_out, x, weight, eps, weight_offset, compute_weight_grad):
+    grad_w = weight.new_empty(weight.shape) if compute_weight_grad else x.new_empty(0)
+    return x.new_empty(x.shape), grad_w
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, weight, eps, weight_offset, _ = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps, ctx.weight_offset = eps, weight_offset
+
+
+def _rms_norm_grad(ctx, grad_out):
+    x, weight = ctx.saved_tensors
+    # A frozen norm weight (the LoRA case) skips the dW reduction entirely.
+    compute_weight_grad = weight is not None and ctx.needs_input_grad[1]
+    grad_x, grad_w = torch.ops.graphopt.rms_norm_backward(
+        grad_out, x, weight, ctx.eps, ctx.weight_offset, compute_weight_grad
+    )
+    return grad_x, (grad_w if compute_weight_grad else None), None, None, None
+
+
+rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup_context)
+
+
+# Forward op → its backward op, for the report and the lowerings.
+BACKWARD_OF = {
+    torch.ops.graphopt.rms_norm.default: torch.ops.graphopt.rms_norm_backward.default,
+}
+ALL_OPS = [op for pair in BACKWARD_OF.items() for op in pair]

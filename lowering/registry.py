@@ -1,0 +1,51 @@
+"""Targets → how each runs the graphopt ops. The only module, with the target files, that knows devices."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from graphopt.lowering import ops  # noqa: I001  (defines the ops the target files name)
+from graphopt.lowering import cpu
+from graphopt.report import LoweringRecord
+
+try:  # Triton is a Linux dependency; elsewhere the CUDA lowering is simply absent.
+    from graphopt.lowering import cuda
+except ImportError as error:
+    cuda, _CUDA_MISSING = None, str(error)
+else:
+    cuda.register()
+
+
+@dataclass
+class Lowering:
+    target: str
+    inductor: bool  # compile the rest of the graph with Inductor (else: run it eagerly)
+    decompositions: dict = field(default_factory=dict)  # graphopt op → aten function, applied below autograd
+    implementations: dict = field(default_factory=dict)  # graphopt op → text for the report
+    note: str = ""
+
+
+def lowering_for(target: str) -> Lowering:
+    if target in ("cuda", "hip") and cuda is not None:
+        note = "" if target == "cuda" else "Triton kernels with NVIDIA launch configurations, not yet tuned for AMD"
+        return Lowering(target, inductor=True, implementations=dict(cuda.IMPLEMENTATIONS), note=note)
+    if target == "cpu":
+        return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
+                        implementations={op: cpu.IMPLEMENTATION for op in ops.ALL_OPS})
+    reason = f"no lowering for target {target!r}" + ("" if cuda is not None else f" (Triton missing: {_CUDA_MISSING})")
+    return Lowering(target, inductor=False, implementations={op: "pure-torch reference (kernels/reference.py)"
+                                                             for op in ops.ALL_OPS}, note=reason)
+
+
+def record(gm: torch.fx.GraphModule, lowering: Lowering, report) -> None:
+    """One report line per graphopt op in the graph: how it will run, its backward op beside it."""
+    counts = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ops.BACKWARD_OF:
+            counts[node.target] = counts.get(node.target, 0) + 1
+    for forward, count in counts.items():
+        backward = ops.BACKWARD_OF[forward]
+        report.lowering.append(LoweringRecord(str(forward), count, lowering.implementations[forward],
+                                              lowering.note or None))
+        report.lowering.append(LoweringRecord(str(backward), count, lowering.implementations[backward],
+                                              "in the backward graph, when gradients are needed"))

@@ -1,0 +1,193 @@
+"""RMSNorm subgraph → graphopt::rms_norm.
+
+Matches (after passes/normalize.py), in fp32/bf16/fp16 models:
+  Llama, Qwen2, Mistral, Phi-3:  xf = x.to(f32); xf * rsqrt(mean(xf², -1, keepdim) + eps) → .to(dtype) → weight * ·
+  Gemma:                          (xf * rsqrt(...)) * (1 + weight.to(f32)) → .to(x.dtype)
+  F.rms_norm / torch.rms_norm over the last dimension.
+Every rsqrt and every module whose class name says RMSNorm is a candidate: a candidate that does not match
+in full is left unfused and reported as a miss with the reason.
+"""
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from graphopt.passes.normalize import is_call, is_cast, is_tensor, value
+from graphopt.report import module_class, module_path, record_for
+
+PATTERN = "rms_norm"
+_FUNCTIONAL = (torch.nn.functional.rms_norm, torch.rms_norm)
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Miss(Exception):
+    """The candidate is not an RMSNorm the fused op computes exactly; the message says why."""
+
+
+def _only_user(node: Node):
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _other_operand(mul: Node, operand: Node):
+    """For a binary torch.mul/torch.add that uses `operand`, the other argument."""
+    if len(mul.args) != 2 or mul.kwargs:
+        return None
+    a, b = mul.args
+    return b if a is operand else a if b is operand else None
+
+
+def _scalar(arg) -> bool:
+    return isinstance(arg, (int, float)) and not isinstance(arg, bool)
+
+
+def _last_dim(dim, ndim) -> bool:
+    if isinstance(dim, (list, tuple)):
+        return len(dim) == 1 and _last_dim(dim[0], ndim)
+    return dim in (-1, ndim - 1)
+
+
+def _same_shape(a, b) -> bool:
+    return len(a.shape) == len(b.shape) and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+
+
+def _match_core(rsqrt: Node):
+    """rsqrt(mean(xf², -1, keepdim) + eps) and the xf * rsqrt it scales → (x, xf, eps, normed, nodes)."""
+    add = rsqrt.args[0]
+    if not is_call(add, torch.add) or len(add.args) != 2 or add.kwargs:
+        raise Miss("rsqrt's argument is not `variance + eps`")
+    variance, eps = add.args if isinstance(add.args[0], Node) else add.args[::-1]
+    if not _scalar(eps):
+        raise Miss("epsilon is not a constant")
+    if not is_call(variance, torch.mean):
+        raise Miss("the normalizer is not a mean (a sum or a norm is a different function)")
+    square = variance.args[0]
+    dim = variance.args[1] if len(variance.args) > 1 else variance.kwargs.get("dim")
+    keepdim = variance.args[2] if len(variance.args) > 2 else variance.kwargs.get("keepdim", False)
+    if not is_call(square, torch.pow) or square.args[1] != 2:
+        raise Miss("the mean is not over squares")
+    xf = square.args[0]
+    if not _last_dim(dim, value(xf).dim()) or not keepdim:
+        raise Miss(f"the mean is over dim={dim} (keepdim={keepdim}), not the last dimension with keepdim")
+    if value(xf).dtype != torch.float32:
+        raise Miss(f"the norm is computed in {value(xf).dtype}, not upcast to float32; "
+                   "the fused op's fp32 math would change its numbers")
+    normed = [u for u in rsqrt.users if is_call(u, torch.mul) and _other_operand(u, rsqrt) is xf]
+    if len(rsqrt.users) != 1 or len(normed) != 1:
+        raise Miss("rsqrt does not scale the normalized input exactly once")
+    normed = normed[0]
+    x = xf.args[0] if is_cast(xf) else xf
+    nodes = [square, variance, add, rsqrt, normed] + ([xf] if xf is not x else [])
+    inside = set(nodes)
+    for n in nodes:
+        outside = [u.name for u in n.users if u not in inside and n is not normed]
+        if outside:
+            raise Miss(f"intermediate `{n.name}` is also used outside the norm ({', '.join(outside)})")
+    return x, float(eps), normed, nodes
+
+
+def _weight_operand(other: Node, n_cols):
+    """A [hidden] vector the normalized value is multiplied by → (weight, offset); Gemma's (1 + w) → offset 1."""
+    offset = 0.0
+    if is_call(other, torch.add) and len(other.args) == 2 and not other.kwargs:
+        a, b = other.args
+        tensor, const = (a, b) if isinstance(a, Node) else (b, a)
+        if not _scalar(const) or not is_tensor(tensor):
+            return None
+        other, offset = tensor, float(const)
+    if is_cast(other) and value(other.args[0]).dtype in _SUPPORTED_DTYPES:
+        other = other.args[0]
+    v = value(other) if is_tensor(other) else None
+    if v is None or v.dim() != 1 or not statically_known_true(v.shape[0] == n_cols):
+        return None
+    return other, offset
+
+
+def _extend(normed: Node, n_cols, nodes):
+    """Absorb what follows the normalization: casts and one multiply by a weight vector."""
+    end, weight, offset = normed, None, 0.0
+    while (user := _only_user(end)) is not None:
+        if is_cast(user):
+            end = user
+        elif weight is None and is_call(user, torch.mul) and isinstance(_other_operand(user, end), Node):
+            found = _weight_operand(_other_operand(user, end), n_cols)
+            if found is None:
+                break
+            (weight, offset), end = found, user
+        else:
+            break
+        nodes.append(end)
+    return end, weight, offset
+
+
+def _match_rsqrt(rsqrt: Node):
+    x, eps, normed, nodes = _match_core(rsqrt)
+    end, weight, offset = _extend(normed, value(x).shape[-1], nodes)
+    return x, weight, eps, offset, end, nodes
+
+
+def _match_functional(node: Node):
+    args = list(node.args) + [None] * 4
+    x = args[0]
+    shape = node.kwargs.get("normalized_shape", args[1])
+    weight = node.kwargs.get("weight", args[2])
+    eps = node.kwargs.get("eps", args[3])
+    if len(shape) != 1:
+        raise Miss(f"normalized_shape={list(shape)} spans more than the last dimension")
+    if eps is None:
+        eps = torch.finfo(value(x).dtype).eps
+    if not _scalar(eps):
+        raise Miss("epsilon is not a constant")
+    return x, weight, float(eps), 0.0, node, [node]
+
+
+def _check_types(x: Node, weight, end: Node):
+    for name, n in (("input", x), ("weight", weight), ("output", end)):
+        if n is not None and value(n).dtype not in _SUPPORTED_DTYPES:
+            raise Miss(f"{name} dtype {value(n).dtype} is not float32, bfloat16 or float16")
+    if not _same_shape(value(x), value(end)):
+        raise Miss("the output shape differs from the input's (a broadcasting weight)")
+
+
+def fuse_rmsnorm(gm: GraphModule, report) -> int:
+    """Replace each matched RMSNorm with one graphopt::rms_norm node; record fusions and misses."""
+    fused_modules, missed_modules, fused = set(), set(), 0
+    anchors = [n for n in gm.graph.nodes if is_call(n, torch.rsqrt, *_FUNCTIONAL)]
+    for anchor in anchors:
+        try:
+            match = _match_rsqrt if is_call(anchor, torch.rsqrt) else _match_functional
+            x, weight, eps, offset, end, nodes = match(anchor)
+            _check_types(x, weight, end)
+        except Miss as miss:
+            report.misses.append(record_for(anchor, PATTERN, str(miss)))
+            missed_modules.add(module_path(anchor))
+            continue
+        out_dtype = value(end).dtype
+        with gm.graph.inserting_before(end):
+            op = gm.graph.call_function(torch.ops.graphopt.rms_norm.default, (x, weight, eps, offset, out_dtype))
+        op.meta = dict(end.meta)
+        end.replace_all_uses_with(op)
+        for n in sorted(nodes, key=_position(gm), reverse=True):
+            gm.graph.erase_node(n)
+        report.fusions.append(record_for(op, PATTERN))
+        fused_modules.add(module_path(op))
+        fused += 1
+    _record_unrecognised_modules(gm, report, fused_modules | missed_modules)
+    gm.recompile()
+    return fused
+
+
+def _position(gm):
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return order.__getitem__
+
+
+def _record_unrecognised_modules(gm, report, seen):
+    """A module named like an RMSNorm that produced neither a fusion nor a miss: say so, once."""
+    for node in gm.graph.nodes:
+        path = module_path(node)
+        if path in seen or "rmsnorm" not in module_class(node).lower():
+            continue
+        seen.add(path)
+        last = [n for n in gm.graph.nodes if module_path(n) == path][-1]
+        report.misses.append(record_for(last, PATTERN, f"module class {module_class(node)} computes its norm in a "
+                                        "form the pass does not recognise (no rsqrt of a mean of squares)"))
