@@ -181,8 +181,8 @@ def publish(report: Report, path=None) -> None:
     if path is None:
         return
     path = Path(path)
-    earlier = _WRITTEN.get(path, 0)
-    _WRITTEN[path] = earlier + 1
+    earlier = _WRITTEN.get(path.resolve(), 0)
+    _WRITTEN[path.resolve()] = earlier + 1
     report.write(path if earlier == 0 else path.with_name(f"{path.stem}.graph{earlier}{path.suffix}"))
 
 

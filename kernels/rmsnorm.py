@@ -98,6 +98,7 @@ def rms_norm_forward(x, weight, eps, weight_offset, out_dtype):
     n_cols = x.shape[-1]
     _check_hidden(n_cols)
     x2 = _as_rows(x, n_cols)
+    weight = weight.contiguous() if weight is not None else None
     n_rows = x2.shape[0]
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     if n_rows > 0:
@@ -115,6 +116,7 @@ def rms_norm_backward(grad_out, x, weight, eps, weight_offset, compute_weight_gr
     _check_hidden(n_cols)
     x2 = _as_rows(x, n_cols)
     dy = _as_rows(grad_out, n_cols)
+    weight = weight.contiguous() if weight is not None else None
     n_rows = x2.shape[0]
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps = _tile(n_rows, n_cols, x.device)

@@ -17,13 +17,24 @@ from graphopt.kernels import reference
 
 @torch.library.custom_op("graphopt::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float, out_dtype: torch.dtype) -> Tensor:
-    """x * rsqrt(mean(x², -1) + eps) * (weight + weight_offset), fp32 math, one rounding to out_dtype."""
-    return reference.rms_norm(x, weight, eps, weight_offset, out_dtype)
+    """x * rsqrt(mean(x², -1) + eps) * (weight + weight_offset), fp32 math, one rounding to out_dtype.
+    Outputs are contiguous whatever the input's layout (as the fake says and the kernels write)."""
+    _check_weight(x, weight)
+    return reference.rms_norm(x, weight, eps, weight_offset, out_dtype).contiguous()
 
 
 @rms_norm.register_fake
 def _rms_norm_fake(x, weight, eps, weight_offset, out_dtype):
+    _check_weight(x, weight)
     return x.new_empty(x.shape, dtype=out_dtype)
+
+
+def _check_weight(x, weight, compute_weight_grad=False):
+    if weight is not None:
+        torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1],
+                     lambda: f"rms_norm: weight of shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
+    torch._check(weight is not None or not compute_weight_grad,
+                 lambda: "rms_norm_backward: compute_weight_grad=True needs a weight")
 
 
 @torch.library.custom_op("graphopt::rms_norm_backward", mutates_args=())
@@ -31,11 +42,14 @@ def rms_norm_backward(
     grad_out: Tensor, x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float, compute_weight_grad: bool
 ) -> tuple[Tensor, Tensor]:
     """(grad_x, grad_weight); grad_weight is an empty tensor when compute_weight_grad is False."""
-    return reference.rms_norm_backward(grad_out, x, weight, eps, weight_offset, compute_weight_grad)
+    _check_weight(x, weight, compute_weight_grad)
+    grad_x, grad_w = reference.rms_norm_backward(grad_out, x, weight, eps, weight_offset, compute_weight_grad)
+    return grad_x.contiguous(), grad_w
 
 
 @rms_norm_backward.register_fake
 def _rms_norm_backward_fake(grad_out, x, weight, eps, weight_offset, compute_weight_grad):
+    _check_weight(x, weight, compute_weight_grad)
     grad_w = weight.new_empty(weight.shape) if compute_weight_grad else x.new_empty(0)
     return x.new_empty(x.shape), grad_w
 

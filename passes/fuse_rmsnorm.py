@@ -10,7 +10,7 @@ in full is left unfused and reported as a miss with the reason.
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_float, statically_known_true
 
 from graphopt.passes.normalize import is_call, is_cast, is_tensor, value
 from graphopt.report import module_class, module_path, record_for
@@ -18,6 +18,11 @@ from graphopt.report import module_class, module_path, record_for
 PATTERN = "rms_norm"
 _FUNCTIONAL = (torch.nn.functional.rms_norm, torch.rms_norm)
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+_DYNAMIC_EPS = ("epsilon arrives as a runtime tensor: Dynamo made it dynamic because it changed between two "
+                "compilations of the same code; call torch._dynamo.reset() between models, or set "
+                "torch._dynamo.config.specialize_float = True")
 
 
 class Miss(Exception):
@@ -40,6 +45,19 @@ def _scalar(arg) -> bool:
     return isinstance(arg, (int, float)) and not isinstance(arg, bool)
 
 
+def _constant(eps) -> float:
+    """eps as a Python float. Under dynamic=True Dynamo passes float attributes as symbolic floats:
+    those are specialized here with a guard, so a model whose eps changes recompiles. (Dynamo then
+    restarts that first compilation once, with the floats constant.)"""
+    if _scalar(eps):
+        return float(eps)
+    if isinstance(eps, Node) and isinstance(value(eps), (torch.SymFloat, torch.SymInt)):
+        return float(guard_float(value(eps)))
+    if isinstance(eps, Node) and eps.op == "placeholder" and is_tensor(eps) and value(eps).dim() == 0:
+        raise Miss(_DYNAMIC_EPS)
+    raise Miss("epsilon is not a constant")
+
+
 def _last_dim(dim, ndim) -> bool:
     if isinstance(dim, (list, tuple)):
         return len(dim) == 1 and _last_dim(dim[0], ndim)
@@ -55,9 +73,8 @@ def _match_core(rsqrt: Node):
     add = rsqrt.args[0]
     if not is_call(add, torch.add) or len(add.args) != 2 or add.kwargs:
         raise Miss("rsqrt's argument is not `variance + eps`")
-    variance, eps = add.args if isinstance(add.args[0], Node) else add.args[::-1]
-    if not _scalar(eps):
-        raise Miss("epsilon is not a constant")
+    variance, eps = add.args if is_call(add.args[0], torch.mean) else add.args[::-1]
+    eps = _constant(eps)
     if not is_call(variance, torch.mean):
         raise Miss("the normalizer is not a mean (a sum or a norm is a different function)")
     square = variance.args[0]
@@ -82,7 +99,7 @@ def _match_core(rsqrt: Node):
         outside = [u.name for u in n.users if u not in inside and n is not normed]
         if outside:
             raise Miss(f"intermediate `{n.name}` is also used outside the norm ({', '.join(outside)})")
-    return x, float(eps), normed, nodes
+    return x, eps, normed, nodes
 
 
 def _weight_operand(other: Node, n_cols):
@@ -133,11 +150,8 @@ def _match_functional(node: Node):
     eps = node.kwargs.get("eps", args[3])
     if len(shape) != 1:
         raise Miss(f"normalized_shape={list(shape)} spans more than the last dimension")
-    if eps is None:
-        eps = torch.finfo(value(x).dtype).eps
-    if not _scalar(eps):
-        raise Miss("epsilon is not a constant")
-    return x, weight, float(eps), 0.0, node, [node]
+    eps = torch.finfo(value(x).dtype).eps if eps is None else _constant(eps)
+    return x, weight, eps, 0.0, node, [node]
 
 
 def _check_types(x: Node, weight, end: Node):

@@ -1,0 +1,353 @@
+"""Tokens/s and peak GPU memory of one LoRA training step, one variant per process.
+
+    python benchmarks/train_step.py --variant inductor --shape 1b --batch 4 --seq 2048 --json results.jsonl
+    python benchmarks/train_step.py --table results.jsonl
+
+Variants: eager (plain PyTorch), inductor (torch.compile), graphopt (torch.compile with backend="graphopt"),
+liger (Liger-Kernel's Llama patches, eager), unsloth (FastLanguageModel). Every variant trains the same
+randomly initialized Llama (same seed, same batch) with PEFT LoRA r=16 on the 7 projections and AdamW over the
+trainable parameters. A step is forward with labels -> backward -> optimizer.step -> zero_grad.
+benchmarks/run_train_step.sh runs all of them, each in its own process, and prints the table.
+"""
+
+import os
+import sys
+
+
+def _variant_in_argv(argv):
+    """The --variant value, read before argparse so that Unsloth can be imported first."""
+    for i, arg in enumerate(argv):
+        if arg == "--variant" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--variant="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+# Unsloth patches transformers, peft and trl when it is imported, so it has to be imported before any of them.
+if _variant_in_argv(sys.argv[1:]) == "unsloth":
+    # The GPU machine has no network: fail at once rather than retry downloads.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    # Otherwise its from_pretrained downloads a file from the Hub to count users.
+    os.environ["UNSLOTH_DISABLE_STATISTICS"] = "1"
+    # It writes generated modules to ./unsloth_compiled_cache by default: keep them out of the repository.
+    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", "/tmp/unsloth_compiled_cache")
+    import unsloth  # noqa: F401
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import platform
+import tempfile
+import time
+from importlib import metadata
+
+import torch
+
+VARIANTS = ("eager", "inductor", "graphopt", "liger", "unsloth")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_R = 16
+LORA_ALPHA = 16
+LEARNING_RATE = 1e-4
+MODEL_SEED = 0
+DATA_SEED = 1234
+
+# Llama-3.2-1B's shape, and a tiny one for a CPU smoke test.
+SHAPES = {
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=128256, rms_norm_eps=1e-5),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=128, rms_norm_eps=1e-5),
+}
+
+
+def llama_config(shape):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=131072,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+
+
+def build_model(config, dtype, device):
+    """A randomly initialized LlamaForCausalLM, created directly on the device (no CPU copy, no download)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(MODEL_SEED)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model
+
+
+def add_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=TARGET_MODULES,
+                      bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def save_tokenizer(directory):
+    """A tiny word-level tokenizer: Unsloth loads a tokenizer from the model directory and none can be
+    downloaded. Its vocabulary is much smaller than the model's; the benchmark feeds random token ids anyway."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Ids 1 and 2 are LlamaConfig's default bos/eos ids; the pad token differs from eos, so Unsloth keeps it.
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    words = ["the", "a", "of", "to", "and", "in", "is", "it", "that", "for"]
+    vocab = {token: i for i, token in enumerate(specials + words)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>", pad_token="<pad>")
+    tokenizer.save_pretrained(directory)
+
+
+def prepare_unsloth(args, config, dtype, device):
+    """Unsloth loads only from a directory: save the random model and a tokenizer, then load them through
+    FastLanguageModel as a user would (16-bit LoRA, its own gradient checkpointing)."""
+    from unsloth import FastLanguageModel
+
+    # Kept alive by the caller until the process ends: the loaded model may still map the saved files.
+    workdir = tempfile.TemporaryDirectory(prefix="train_step_unsloth_")
+    model_dir = os.path.join(workdir.name, "llama")
+    base = build_model(config, dtype, device)
+    base.save_pretrained(model_dir)
+    save_tokenizer(model_dir)
+    # Free the first copy before Unsloth loads its own.
+    del base
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    model, _tokenizer = FastLanguageModel.from_pretrained(
+        model_name=model_dir,
+        max_seq_length=args.seq,
+        dtype=dtype,
+        load_in_4bit=False,
+        use_exact_model_name=True,  # a local directory: no name remapping to Hub repos
+        local_files_only=True,
+        offload_embedding=False,  # keep every weight on the GPU, as in the other variants
+    )
+    # Unsloth could resize the embeddings to the tokenizer; the comparison needs the model's full vocabulary.
+    rows = model.get_input_embeddings().weight.shape[0]
+    if rows != config.vocab_size:
+        raise RuntimeError(f"Unsloth resized the embeddings to {rows} rows; the model has {config.vocab_size}")
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=LORA_R,
+        lora_alpha=LORA_ALPHA,
+        lora_dropout=0,
+        target_modules=TARGET_MODULES,
+        bias="none",
+        use_gradient_checkpointing="unsloth",
+        random_state=0,
+    )
+    FastLanguageModel.for_training(model)
+    return model, workdir
+
+
+def prepare(args, device, dtype):
+    """(model to take the parameters from, callable that runs the forward, anything to keep alive)."""
+    config = llama_config(args.shape)
+    if args.variant == "unsloth":
+        model, keep_alive = prepare_unsloth(args, config, dtype, device)
+        return model, model, keep_alive
+
+    if args.variant == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        # Patches the transformers Llama classes, so it must run before the model is built.
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
+
+    model = add_lora(build_model(config, dtype, device))
+    # Liger's fused linear+cross-entropy only runs in training mode.
+    model.train()
+    if args.variant == "inductor":
+        return model, torch.compile(model), None
+    if args.variant == "graphopt":
+        import graphopt  # noqa: F401  (for graphopt.last_report(); the backend itself comes by entry point)
+
+        return model, torch.compile(model, backend="graphopt"), None
+    return model, model, None
+
+
+def train_step(forward, optimizer, input_ids):
+    loss = forward(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def version_of(package):
+    """The installed version, or None where the package is absent (triton on some CPU machines)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def run(args):
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    # keep_alive (Unsloth's saved checkpoint) must outlive the steps: held here until run() returns.
+    model, forward, keep_alive = prepare(args, device, dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LEARNING_RATE)
+
+    # One fixed random batch, the same for every variant; labels = input_ids (the model shifts them).
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    input_ids = torch.randint(0, vocab_size, (args.batch, args.seq), generator=generator).to(device)
+
+    # Warm-up: compilation, autotuning and the optimizer's state allocation happen here, outside the timing.
+    first_loss = None
+    for _ in range(args.warmup):
+        loss = train_step(forward, optimizer, input_ids)
+        if first_loss is None:
+            first_loss = loss.item()
+    if args.variant == "graphopt":
+        import graphopt
+
+        print(f"graphopt compiled {len(graphopt.reports())} graph(s); the last one's report:", file=sys.stderr)
+        print(graphopt.last_report().to_text(), file=sys.stderr)
+
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = train_step(forward, optimizer, input_ids)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+
+    result = {
+        "variant": args.variant,
+        "shape": args.shape,
+        "batch": args.batch,
+        "seq": args.seq,
+        "dtype": args.dtype,
+        "device": device.type,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "tokens_per_s": args.batch * args.seq * args.steps / seconds,
+        "step_ms": 1000 * seconds / args.steps,
+        "peak_alloc_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
+        "first_loss": first_loss,
+        "loss": loss.item(),
+        "trainable_params": sum(p.numel() for p in trainable),
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "triton": version_of("triton"),
+        "transformers": version_of("transformers"),
+        "peft": version_of("peft"),
+        "liger_kernel": version_of("liger_kernel") if args.variant == "liger" else None,
+        "unsloth": version_of("unsloth") if args.variant == "unsloth" else None,
+        "unsloth_zoo": version_of("unsloth_zoo") if args.variant == "unsloth" else None,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    }
+    return result
+
+
+def describe(r):
+    memory = "n/a" if r["peak_alloc_gib"] is None else \
+        f"{r['peak_alloc_gib']:.2f} GiB (reserved {r['peak_reserved_gib']:.2f} GiB)"
+    return (f"{r['variant']}: {r['shape']} batch {r['batch']} seq {r['seq']} {r['dtype']} on {r['device_name']}: "
+            f"{r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, peak {memory}, "
+            f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}")
+
+
+# --- the table of a results file -------------------------------------------------------------------------
+
+def _number(value, digits):
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def _ratio(value, base):
+    return "—" if value is None or not base else f"{value / base:.2f}×"
+
+
+def print_table(path):
+    """A markdown table per configuration, with each variant measured against inductor's row."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    groups = {}
+    for r in rows:
+        if not r.get("failed"):
+            key = (r["shape"], r["batch"], r["seq"], r["dtype"], r["device_name"])
+            groups.setdefault(key, []).append(r)
+
+    for (shape, batch, seq, dtype, device_name), group in groups.items():
+        base = next((r for r in group if r["variant"] == "inductor"), None)
+        print(f"\n{shape}, batch {batch}, seq {seq}, {dtype}, {device_name}, {group[0]['date'][:10]}\n")
+        print("| variant | tokens/s | step ms | peak alloc GiB | ×inductor tokens/s | ×inductor memory | loss |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in group:
+            print(f"| {r['variant']} | {_number(r['tokens_per_s'], 0)} | {_number(r['step_ms'], 1)} "
+                  f"| {_number(r['peak_alloc_gib'], 2)} "
+                  f"| {_ratio(r['tokens_per_s'], base and base['tokens_per_s'])} "
+                  f"| {_ratio(r['peak_alloc_gib'], base and base['peak_alloc_gib'])} "
+                  f"| {_number(r['loss'], 4)} |")
+
+    failed = [r for r in rows if r.get("failed")]
+    if failed:
+        print("\nfailed:")
+        for r in failed:
+            print(f"- {r['variant']} (exit code {r['exit_code']}): {r['log']}")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variant", choices=VARIANTS)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before, where compilation happens")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", metavar="PATH", help="append one JSON line of results to PATH")
+    parser.add_argument("--table", metavar="PATH", help="print the markdown table of a results file and exit")
+    args = parser.parse_args(argv)
+    if args.table is None and args.variant is None:
+        parser.error("--variant is required (or --table PATH)")
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.table is not None:
+        print_table(args.table)
+        return
+    result = run(args)
+    print(describe(result))
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    if not math.isfinite(result["loss"]):
+        sys.exit(f"{args.variant}: the loss is {result['loss']}: this variant computes something wrong")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Command line: `python -m graphopt demo [--steps N ...]` (also installed as `graphopt`)."""
+
+import sys
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"demo": "LoRA fine-tune of a tiny model through backend='graphopt', then the fusion report"}
+    if not argv or argv[0] not in commands:
+        print("usage: python -m graphopt COMMAND [options]\n\ncommands:")
+        for name, text in commands.items():
+            print(f"  {name:<8} {text}")
+        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    from graphopt import demo
+
+    demo.main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

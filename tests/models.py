@@ -1,0 +1,30 @@
+"""Tiny (2-layer) configs of the decoder architectures graphopt must handle, with PEFT LoRA on every linear."""
+
+import peft
+import torch
+import transformers
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+
+ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {}),
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"head_dim": 16}),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
+}
+
+
+def rms_norm_modules(model) -> int:
+    return sum(1 for m in model.modules() if "rmsnorm" in type(m).__name__.lower())
+
+
+def tiny_lora_model(arch: str, dtype=torch.float32, seed: int = 0, **overrides):
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    config = config_cls(**{**COMMON, **extra, **overrides})
+    model = model_cls(config).to(dtype)
+    # init_lora_weights=False: B starts random, not zero, so every LoRA gradient is non-zero and comparable.
+    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    return peft.get_peft_model(model, lora)

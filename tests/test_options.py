@@ -1,0 +1,175 @@
+"""graphopt.options.parse_options, and how option errors reach a user of torch.compile."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+
+import graphopt
+from graphopt.devices import resolve_target
+from graphopt.options import REPORT_SUFFIXES, TARGETS, OptionError, Options, parse_options
+from graphopt.passes.registry import FUSIONS
+
+NAMES = ("rms_norm", "rope", "swiglu")
+
+
+# --- parse_options --------------------------------------------------------------------------------------
+
+def test_defaults():
+    opts = parse_options({}, NAMES)
+    assert opts == Options(target="auto", fusions=frozenset(NAMES), report=None)
+    assert isinstance(opts.fusions, frozenset)
+
+
+def test_defaults_enable_every_registered_fusion():
+    assert parse_options({}, FUSIONS).fusions == frozenset(FUSIONS)
+    assert "rms_norm" in FUSIONS
+
+
+def test_option_error_is_a_value_error():
+    assert issubclass(OptionError, ValueError)
+    assert graphopt.OptionError is OptionError
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(OptionError) as info:
+        parse_options({"bogus": 1, "target": "cpu"}, NAMES)
+    msg = str(info.value)
+    assert "bogus" in msg
+    for key in ("target", "fusions", "report"):
+        assert key in msg
+    for target in TARGETS:
+        assert target in msg
+    for name in NAMES:
+        assert name in msg
+    for suffix in REPORT_SUFFIXES:
+        assert suffix in msg
+
+
+def test_several_unknown_options_are_all_named():
+    with pytest.raises(OptionError, match=r"\['alpha', 'zeta'\]"):
+        parse_options({"zeta": 1, "alpha": 2}, NAMES)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_valid_targets(target):
+    assert parse_options({"target": target}, NAMES).target == target
+
+
+@pytest.mark.parametrize("target", ["gpu", "CUDA", "", None, "xla"])
+def test_bad_target(target):
+    with pytest.raises(OptionError) as info:
+        parse_options({"target": target}, NAMES)
+    msg = str(info.value)
+    assert repr(target) in msg
+    assert all(t in msg for t in TARGETS)
+
+
+def test_fusions_as_dict_disables_named_keeps_others():
+    opts = parse_options({"fusions": {"rope": False}}, NAMES)
+    assert opts.fusions == frozenset({"rms_norm", "swiglu"})
+    opts = parse_options({"fusions": {"rope": True, "swiglu": False}}, NAMES)
+    assert opts.fusions == frozenset({"rms_norm", "rope"})
+    assert parse_options({"fusions": {n: False for n in NAMES}}, NAMES).fusions == frozenset()
+    assert parse_options({"fusions": {}}, NAMES).fusions == frozenset(NAMES)
+
+
+@pytest.mark.parametrize("kind", [list, tuple, set, frozenset])
+def test_fusions_as_list_enables_exactly_those(kind):
+    assert parse_options({"fusions": kind(["rope"])}, NAMES).fusions == frozenset({"rope"})
+    assert parse_options({"fusions": kind()}, NAMES).fusions == frozenset()
+
+
+@pytest.mark.parametrize("fusions", [{"rms_norm": True, "flash": False}, ["rope", "flash"]])
+def test_unknown_fusion_name(fusions):
+    with pytest.raises(OptionError) as info:
+        parse_options({"fusions": fusions}, NAMES)
+    msg = str(info.value)
+    assert "flash" in msg
+    assert all(n in msg for n in NAMES)
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None])
+def test_fusion_value_must_be_bool(value):
+    with pytest.raises(OptionError, match=r"fusions\['rope'\] must be True or False"):
+        parse_options({"fusions": {"rope": value}}, NAMES)
+
+
+@pytest.mark.parametrize("fusions", ["rms_norm", 3, True])
+def test_fusions_of_wrong_type(fusions):
+    # A bare string would otherwise be read as a set of one-letter names.
+    with pytest.raises(OptionError, match="fusions must be a dict"):
+        parse_options({"fusions": fusions}, NAMES)
+
+
+@pytest.mark.parametrize("path", ["r.txt", "out/report.json", Path("a/b.html")])
+def test_report_path_accepted(path):
+    assert parse_options({"report": path}, NAMES).report == Path(path)
+
+
+@pytest.mark.parametrize("path", ["report", "report.md", "report.json.gz", "report.HTML"])
+def test_report_path_bad_suffix(path):
+    with pytest.raises(OptionError) as info:
+        parse_options({"report": path}, NAMES)
+    msg = str(info.value)
+    assert path in msg
+    assert all(s in msg for s in REPORT_SUFFIXES)
+
+
+# --- devices.resolve_target -----------------------------------------------------------------------------
+
+def test_resolve_target_auto_on_cpu():
+    assert resolve_target("auto", [torch.randn(2), 3, torch.randn(1)]) == "cpu"
+    assert resolve_target("auto", []) == "cpu"
+    assert resolve_target("cpu", [torch.randn(2)]) == "cpu"
+
+
+def test_resolve_target_ignores_meta_tensors():
+    assert resolve_target("auto", [torch.empty(2, device="meta"), torch.randn(2)]) == "cpu"
+
+
+@pytest.mark.parametrize("requested", ["cuda", "hip", "npu", "mps"])
+def test_requested_target_does_not_match_cpu_tensors(requested):
+    with pytest.raises(OptionError) as info:
+        resolve_target(requested, [torch.randn(2, 3)])
+    msg = str(info.value)
+    assert repr(requested) in msg and "'cpu'" in msg and "target='auto'" in msg
+
+
+# --- through torch.compile ------------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _first_call_error(**compile_kwargs):
+    model = torch.compile(torch.nn.Linear(4, 4), backend="graphopt", **compile_kwargs)
+    with pytest.raises(Exception) as info:  # noqa: PT011  (Dynamo wraps the backend's error)
+        model(torch.randn(2, 4))
+    return info.value
+
+
+def test_compile_unknown_option(fresh_dynamo):
+    err = _first_call_error(options={"bogus": 1})
+    assert isinstance(err, torch._dynamo.exc.BackendCompilerFailed)
+    msg = str(err)
+    assert "OptionError" in msg and "bogus" in msg
+    assert "valid options" in msg and "target=" in msg and "fusions=" in msg and "report=" in msg
+
+
+def test_compile_mode_is_refused_clearly(fresh_dynamo):
+    err = _first_call_error(mode="max-autotune")
+    msg = str(err)
+    assert isinstance(err, torch._dynamo.exc.BackendCompilerFailed)
+    assert "mode='max-autotune'" in msg and "options=" in msg
+
+
+def test_compile_target_cuda_on_cpu_tensors(fresh_dynamo):
+    err = _first_call_error(options={"target": "cuda"})
+    msg = str(err)
+    assert isinstance(err, torch._dynamo.exc.BackendCompilerFailed)
+    assert "target='cuda'" in msg and "'cpu'" in msg

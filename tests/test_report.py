@@ -1,0 +1,279 @@
+"""graphopt.report: the Report and its renderings, publishing to files, and where nodes came from."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+import graphopt
+from graphopt import report as report_mod
+from graphopt.report import (
+    SCHEMA_VERSION, LoweringRecord, Record, Report, module_class, module_path, publish, render, source_location,
+    tensor_type,
+)
+
+LAYER0 = "base_model.model.model.layers.0.input_layernorm"
+TRICKY = "model.layers.1.<post_attention>&\"norm\""
+
+
+def sample_report() -> Report:
+    r = Report(graph=3, target="cuda", nodes_captured=412)
+    r.fusions = [
+        Record("rms_norm", LAYER0, "transformers/models/llama/modeling_llama.py:71", "bfloat16", [2, "s0", 2048]),
+        Record("rms_norm", "base_model.model.model.norm", "transformers/models/llama/modeling_llama.py:72",
+               "bfloat16", [2, "s0", 2048]),
+    ]
+    r.misses = [
+        Record("rms_norm", TRICKY, "my_model.py:10", "float32", [4, 64], reason="epsilon is not a constant & <x>"),
+    ]
+    r.lowering = [
+        LoweringRecord("graphopt.rms_norm.default", 2, "Triton kernel kernels/rmsnorm.py:_rms_norm_forward_kernel"),
+        LoweringRecord("graphopt.rms_norm_backward.default", 2, "Triton <backward>",
+                       note="in the backward graph, when gradients are needed"),
+    ]
+    return r
+
+
+# --- renderings ------------------------------------------------------------------------------------------
+
+def test_to_json_round_trips_through_json():
+    data = sample_report().to_json()
+    assert json.loads(json.dumps(data)) == data
+    assert set(data) == {"schema_version", "graph", "target", "nodes_captured", "fusions", "misses", "lowering"}
+    assert data["schema_version"] == SCHEMA_VERSION
+    assert (data["graph"], data["target"], data["nodes_captured"]) == (3, "cuda", 412)
+    assert [f["module"] for f in data["fusions"]] == [LAYER0, "base_model.model.model.norm"]
+    assert data["fusions"][0] == {
+        "pattern": "rms_norm", "module": LAYER0, "source": "transformers/models/llama/modeling_llama.py:71",
+        "dtype": "bfloat16", "shape": [2, "s0", 2048], "reason": None,
+    }
+    assert data["misses"] == [{"pattern": "rms_norm", "module": TRICKY, "source": "my_model.py:10",
+                               "dtype": "float32", "shape": [4, 64], "reason": "epsilon is not a constant & <x>"}]
+    assert data["lowering"][1] == {"op": "graphopt.rms_norm_backward.default", "count": 2,
+                                   "implementation": "Triton <backward>",
+                                   "note": "in the backward graph, when gradients are needed"}
+
+
+def test_empty_report_renders():
+    r = Report(graph=0)
+    assert r.to_json()["fusions"] == [] and r.to_json()["misses"] == []
+    text = r.to_text()
+    assert "fusions (0): none" in text and "misses (0)" in text
+    assert "<h2>Fusions (0)</h2>" in r.to_html()
+
+
+def test_summary_counts_fusions_per_pattern():
+    r = sample_report()
+    r.fusions.append(Record("rope", "m.rotary", "x.py:1", "float32", [1]))
+    assert r.summary() == {"rms_norm": 2, "rope": 1}
+
+
+def test_to_text():
+    text = sample_report().to_text()
+    assert "graph 3" in text and "target cuda" in text and "412 nodes captured" in text
+    assert "fusions (2): rms_norm ×2" in text
+    assert LAYER0 in text and "transformers/models/llama/modeling_llama.py:71" in text
+    assert "bfloat16[2, s0, 2048]" in text
+    assert "misses (1)" in text
+    assert TRICKY in text and "why: epsilon is not a constant & <x>" in text  # plain text: not escaped
+    assert "graphopt.rms_norm.default ×2 → Triton kernel kernels/rmsnorm.py:_rms_norm_forward_kernel" in text
+    assert "(in the backward graph, when gradients are needed)" in text
+
+
+def test_to_html_escapes():
+    page = sample_report().to_html()
+    assert page.startswith("<!doctype html>") and page.rstrip().endswith("</html>")
+    assert f"<td>{LAYER0}</td>" in page
+    assert "<td>model.layers.1.&lt;post_attention&gt;&amp;&quot;norm&quot;</td>" in page
+    assert "<td>epsilon is not a constant &amp; &lt;x&gt;</td>" in page
+    assert "<td>Triton &lt;backward&gt;</td>" in page
+    # The raw strings never appear unescaped.
+    assert "<post_attention>" not in page and "<x>" not in page and "<backward>" not in page
+    assert "<h2>Fusions (2)</h2>" in page and "<h2>Misses (1)</h2>" in page
+
+
+def test_to_html_escapes_target():
+    page = Report(graph=0, target="<script>").to_html()
+    assert "<script>" not in page and "&lt;script&gt;" in page
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".json", ".html"])
+def test_write(tmp_path, suffix):
+    r = sample_report()
+    path = tmp_path / f"report{suffix}"
+    r.write(path)
+    content = path.read_text(encoding="utf-8")
+    assert content == render(r, suffix)
+    if suffix == ".json":
+        assert json.loads(content) == r.to_json()
+    elif suffix == ".html":
+        assert content == r.to_html()
+    else:
+        assert content == r.to_text() + "\n"
+
+
+def test_write_accepts_str_path(tmp_path):
+    path = tmp_path / "r.json"
+    sample_report().write(str(path))
+    assert json.loads(path.read_text())["graph"] == 3
+
+
+# --- publish / last_report --------------------------------------------------------------------------------
+
+@pytest.fixture
+def clean_reports(monkeypatch):
+    monkeypatch.setattr(report_mod, "_REPORTS", [])
+    monkeypatch.setattr(report_mod, "_WRITTEN", {})
+
+
+def test_last_report_when_nothing_compiled(clean_reports):
+    with pytest.raises(RuntimeError, match="compiled nothing yet") as info:
+        graphopt.last_report()
+    assert "backend='graphopt'" in str(info.value)
+    assert graphopt.reports() == []
+
+
+def test_publish_without_path_keeps_report(clean_reports, tmp_path):
+    a, b = Report(graph=0), Report(graph=1)
+    publish(a)
+    publish(b)
+    assert graphopt.last_report() is b
+    assert graphopt.reports() == [a, b]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".json", ".html"])
+def test_publish_same_path_twice(clean_reports, tmp_path, suffix):
+    path = tmp_path / f"run{suffix}"
+    first, second, third = Report(graph=0, target="cpu"), Report(graph=1, target="cpu"), Report(graph=2)
+    publish(first, path)
+    publish(second, path)
+    publish(third, path)
+    assert path.read_text() == render(first, suffix)
+    assert (tmp_path / f"run.graph1{suffix}").read_text() == render(second, suffix)
+    assert (tmp_path / f"run.graph2{suffix}").read_text() == render(third, suffix)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"run{suffix}", f"run.graph1{suffix}", f"run.graph2{suffix}"])
+    assert graphopt.last_report() is third
+
+
+def test_publish_different_paths_do_not_interfere(clean_reports, tmp_path):
+    publish(Report(graph=0), tmp_path / "a.json")
+    publish(Report(graph=1), tmp_path / "b.json")
+    assert json.loads((tmp_path / "a.json").read_text())["graph"] == 0
+    assert json.loads((tmp_path / "b.json").read_text())["graph"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
+
+
+# --- where a node came from -------------------------------------------------------------------------------
+
+class _FakeLayerNorm:
+    pass
+
+
+def fake_node(path=None, cls=_FakeLayerNorm, stack_trace=None, value=None):
+    meta = {}
+    if path is not None:
+        meta["nn_module_stack"] = {"L__self__": ("L['self']", object), "inner": (path, cls)}
+    if stack_trace is not None:
+        meta["stack_trace"] = stack_trace
+    if value is not None:
+        meta["example_value"] = value
+    return SimpleNamespace(meta=meta)
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ("L['self'].__dict__['_modules']['base_model'].__dict__['_modules']['model'].model.layers.0.input_layernorm",
+     LAYER0),
+    ("L['self'].model.layers.0.input_layernorm", "model.layers.0.input_layernorm"),
+    ("L['self'].model.layers[3].mlp", "model.layers.3.mlp"),
+    ("L['self']._modules['model']._modules['layers']._modules['12'].self_attn", "model.layers.12.self_attn"),
+    ("L['mod'].layers.0.lin", "layers.0.lin"),
+    ("L['self']", "<root>"),
+])
+def test_module_path(raw, expected):
+    assert module_path(fake_node(raw)) == expected
+
+
+def test_module_path_without_stack():
+    assert module_path(fake_node()) == "<top level>"
+    assert module_class(fake_node()) == ""
+
+
+def test_module_class():
+    assert module_class(fake_node("L['self'].norm")) == "_FakeLayerNorm"
+    assert module_class(fake_node("L['self'].norm", cls="transformers.models.llama.LlamaRMSNorm")) == "LlamaRMSNorm"
+
+
+def test_module_path_from_real_dynamo_capture():
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(4)
+
+        def forward(self, x):
+            return self.norm(x)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend((module_path(n), module_class(n), source_location(n))
+                    for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(Model(), backend=backend)(torch.randn(2, 4))
+    finally:
+        torch._dynamo.reset()
+    assert {(p, c) for p, c, _ in seen} == {("layers.0.norm", "RMSNorm"), ("layers.1.norm", "RMSNorm")}
+    assert all(s != "<unknown>" and ":" in s for _, _, s in seen)
+
+
+SITE_TRACE = """  File "/home/u/train.py", line 12, in <module>
+    loss = model(batch)
+  File "/opt/venv/lib/python3.12/site-packages/transformers/models/llama/modeling_llama.py", line 71, in forward
+    hidden_states = hidden_states.to(torch.float32)
+"""
+
+
+def test_source_location_strips_site_packages():
+    assert source_location(fake_node(stack_trace=SITE_TRACE)) == "transformers/models/llama/modeling_llama.py:71"
+
+
+def test_source_location_dist_packages_and_user_file():
+    trace = '  File "/usr/lib/python3/dist-packages/peft/tuners/lora/layer.py", line 700, in forward\n    x\n'
+    assert source_location(fake_node(stack_trace=trace)) == "peft/tuners/lora/layer.py:700"
+    trace = '  File "/home/u/my_model.py", line 5, in forward\n    return x\n'
+    assert source_location(fake_node(stack_trace=trace)) == "/home/u/my_model.py:5"
+
+
+def test_source_location_unknown():
+    assert source_location(fake_node()) == "<unknown>"
+    assert source_location(fake_node(stack_trace="no frames here")) == "<unknown>"
+
+
+def test_tensor_type():
+    import torch
+    assert tensor_type(fake_node(value=torch.empty(2, 3, dtype=torch.bfloat16))) == ("bfloat16", [2, 3])
+    assert tensor_type(fake_node(value=3)) == ("?", [])
+
+
+def test_record_for():
+    import torch
+    node = fake_node("L['self'].model.norm", stack_trace=SITE_TRACE, value=torch.empty(4, 8))
+    rec = report_mod.record_for(node, "rms_norm", reason="because")
+    assert rec == Record("rms_norm", "model.norm", "transformers/models/llama/modeling_llama.py:71", "float32",
+                         [4, 8], "because")
