@@ -1,10 +1,14 @@
-"""Shared test setup, kept minimal: the Triton interpreter for CPU runs and one hypothesis profile."""
+"""Shared test setup, kept minimal: the Triton interpreter for CPU-only runs and one hypothesis profile."""
 
 import os
 
+import torch  # does not import triton
+
 # Must happen before anything imports triton (graphopt imports it through the CUDA lowering): without a GPU,
-# Triton kernels only run on CPU tensors through the interpreter.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton kernels only run on CPU tensors through the interpreter. With one they run compiled on CUDA tensors.
+# setdefault: TRITON_INTERPRET set by the user wins either way.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

@@ -1,7 +1,9 @@
 """Triton RMSNorm kernels (kernels/rmsnorm.py) against the fp64 reference (kernels/reference.py).
 
-Runs on CPU tensors through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1). The interpreter
-computes bf16 wrong, so only float32 and float16 are tested here; bf16 numerics belong on the GPU.
+Runs compiled on CUDA tensors when a GPU is there, else on CPU tensors through the Triton interpreter
+(tests/conftest.py sets TRITON_INTERPRET=1 only without a GPU). The interpreter computes bf16 wrong, so bfloat16
+is tested on CUDA only; float32 and float16 everywhere. Inputs are drawn on the CPU (a CPU generator, the same
+values on every machine) and then moved to DEVICE.
 
 Error measure: ‖out − ref‖ / ‖ref‖ against the reference evaluated in float64 on the same (exactly upcast)
 inputs, so the reference is exact up to ~1e-16 and all the error is the kernel's.
@@ -14,8 +16,10 @@ from hypothesis import strategies as st
 
 from graphopt.kernels import reference, rmsnorm
 
-# With eps == 0 the all-zero padding rows of a partial tile compute 0 · inf = NaN in the interpreter (numpy warns);
-# they are masked out of every store, which the value checks below verify.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# With eps == 0 the all-zero padding rows of a partial tile compute 0 · inf = NaN (the interpreter's numpy warns;
+# compiled CUDA code does not); they are masked out of every store, which the value checks below verify.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning",
                                         "ignore:invalid value encountered:RuntimeWarning")
 
@@ -27,7 +31,14 @@ FP32_TOL = 1e-5
 # under 1e-5. So a correct kernel stays below u + 1e-5 ≈ 5.0e-4, and anything above it is a real error (an fp16
 # intermediate, e.g. squaring in fp16, is caught by this bound in the tests below).
 FP16_TOL = 2.0 ** -11 + 1e-5
-TOL = {torch.float32: FP32_TOL, torch.float16: FP16_TOL}
+# bf16 result, same argument: bf16 has an 8-bit significand (7 stored bits + the implicit one), so round-to-nearest
+# moves each element by at most u = 2**-8 ≈ 3.9e-3 of its magnitude (half the spacing 2**-7 between 1 and the next
+# bf16). bf16 has fp32's exponent range, so no subnormal term for these magnitudes. A correct kernel stays below
+# u + 1e-5 ≈ 3.9e-3.
+BF16_TOL = 2.0 ** -8 + 1e-5
+TOL = {torch.float32: FP32_TOL, torch.float16: FP16_TOL, torch.bfloat16: BF16_TOL}
+# Dtypes of x (and of the output and weight where those follow x) under test: bf16 only compiled on CUDA.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 HIDDEN = [3, 8, 64, 123, 128, 1000, 1024, 4096, 4097]
 EPS = [1e-6, 1e-5, 1e-12, 0.0]  # eps 0 with random (never all-zero) rows is well defined
@@ -63,7 +74,7 @@ def leading_shapes(draw, max_rows=MAX_ROWS):
 
 @st.composite
 def cases(draw):
-    dtype = draw(st.sampled_from([torch.float32, torch.float16]))
+    dtype = draw(st.sampled_from(DTYPES))
     hidden = draw(st.sampled_from(HIDDEN))
     lead = draw(leading_shapes())
     has_weight = draw(st.booleans())
@@ -81,12 +92,12 @@ def cases(draw):
 
 def make_inputs(shape, dtype, weight_dtype, offset, seed, scale=1.0):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(DEVICE)
     w = None
     if weight_dtype is not None:
         # Gemma-style (offset 1) weights sit around 0, Llama-style around 1; both get a real spread.
         w = torch.randn(shape[-1], generator=g, dtype=torch.float64) * 0.5 + (0.0 if offset else 1.0)
-        w = w.to(weight_dtype)
+        w = w.to(weight_dtype).to(DEVICE)
     return x, w, g
 
 
@@ -104,7 +115,7 @@ def test_forward_matches_fp64_reference(case):
     assert err <= TOL[case["out_dtype"]], f"rel err {err:.3g} for {case}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_error_bound_is_tight_enough_to_catch_fp16_output_of_fp32_request(dtype):
     # The fp32 bound must reject a result that went through fp16: guards the tolerances themselves.
     x, w, _ = make_inputs((64, 1024), dtype, dtype, 0.0, 0)
@@ -112,6 +123,7 @@ def test_forward_error_bound_is_tight_enough_to_catch_fp16_output_of_fp32_reques
     assert rel_err(ref.to(torch.float16), ref) > FP32_TOL
     assert rel_err(ref.to(torch.float16), ref) <= FP16_TOL
     assert rel_err(ref.to(torch.bfloat16), ref) > FP16_TOL
+    assert rel_err(ref.to(torch.bfloat16), ref) <= BF16_TOL
 
 
 def test_forward_large_number_of_rows():
@@ -140,7 +152,7 @@ def test_forward_single_row(shape):
 def test_backward_matches_fp64_reference(case):
     x, w, g = make_inputs(case["shape"], case["dtype"], case["weight_dtype"], case["offset"], case["seed"])
     # Under autograd the incoming gradient has the forward's output dtype.
-    dy = torch.randn(case["shape"], generator=g, dtype=torch.float64).to(case["out_dtype"])
+    dy = torch.randn(case["shape"], generator=g, dtype=torch.float64).to(case["out_dtype"]).to(DEVICE)
     cwg = case["compute_weight_grad"]
 
     dx, dw = rmsnorm.rms_norm_backward(dy, x, w, case["eps"], case["offset"], cwg)
@@ -157,12 +169,12 @@ def test_backward_matches_fp64_reference(case):
         assert dw.numel() == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_weight_grad_is_sum_over_rows(dtype, offset):
     # dW = Σ_rows dy · x̂, checked against an independent formula (not the reference's) over 3-D input.
     x, w, g = make_inputs((3, 37, 123), dtype, dtype, offset, 3)
-    dy = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype)
+    dy = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype).to(DEVICE)
     _, dw = rmsnorm.rms_norm_backward(dy, x, w, 1e-6, offset, True)
 
     xd = x.double()
@@ -174,7 +186,7 @@ def test_weight_grad_is_sum_over_rows(dtype, offset):
 
 def test_weight_grad_empty_when_not_requested():
     x, w, g = make_inputs((17, 64), torch.float32, torch.float32, 0.0, 4)
-    dy = torch.randn(x.shape, generator=g)
+    dy = torch.randn(x.shape, generator=g).to(DEVICE)
     dx, dw = rmsnorm.rms_norm_backward(dy, x, w, 1e-6, 0.0, False)
     assert isinstance(dw, torch.Tensor) and dw.numel() == 0 and dw.shape == (0,)
     # dx does not depend on whether dW is computed.
@@ -184,7 +196,7 @@ def test_weight_grad_empty_when_not_requested():
 
 def test_backward_large_number_of_rows():
     x, w, g = make_inputs((20000, 128), torch.float32, torch.float32, 1.0, 5)
-    dy = torch.randn(x.shape, generator=g)
+    dy = torch.randn(x.shape, generator=g).to(DEVICE)
     dx, dw = rmsnorm.rms_norm_backward(dy, x, w, 1e-6, 1.0, True)
     ref_dx, ref_dw = ref_backward(dy, x, w, 1e-6, 1.0, True)
     assert rel_err(dx, ref_dx) <= FP32_TOL
@@ -196,25 +208,29 @@ def test_backward_large_number_of_rows():
 # --- layouts and sizes ----------------------------------------------------------------------------------
 
 def _non_contiguous(kind, rows, hidden, dtype, g):
+    # The view is taken on DEVICE: moving a strided view to another device would copy it densely.
+    def base(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
     if kind == "slice_of_wider_rows":  # stride(-1) == 1, row stride 2*hidden: read in place
-        return torch.randn(rows, 2 * hidden, generator=g).to(dtype)[:, :hidden]
+        return base(rows, 2 * hidden)[:, :hidden]
     if kind == "transposed":  # stride(-1) != 1: must be copied
-        return torch.randn(hidden, rows, generator=g).to(dtype).t()
+        return base(hidden, rows).t()
     if kind == "unmergeable_3d":  # leading dims that no single row stride describes
-        return torch.randn(rows, 3, hidden, generator=g).to(dtype).transpose(0, 1)
+        return base(rows, 3, hidden).transpose(0, 1)
     if kind == "every_other_row":
-        return torch.randn(2 * rows, hidden, generator=g).to(dtype)[::2]
+        return base(2 * rows, hidden)[::2]
     raise AssertionError(kind)
 
 
 @pytest.mark.parametrize("kind", ["slice_of_wider_rows", "transposed", "unmergeable_3d", "every_other_row"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_non_contiguous_input(kind, dtype):
     g = torch.Generator().manual_seed(6)
     x = _non_contiguous(kind, 19, 123, dtype, g)
     dy = _non_contiguous(kind, 19, 123, dtype, g)
     assert not x.is_contiguous() and not dy.is_contiguous()
-    w = (torch.randn(123, generator=g) + 1).to(dtype)
+    w = (torch.randn(123, generator=g) + 1).to(dtype).to(DEVICE)
 
     y = rmsnorm.rms_norm_forward(x, w, 1e-6, 0.0, dtype)
     assert y.shape == x.shape
@@ -229,11 +245,11 @@ def test_non_contiguous_input(kind, dtype):
 
 def test_non_contiguous_weight():
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(8, 64, generator=g)
-    w = torch.randn(128, generator=g)[::2]  # e.g. a weight sliced out of a packed parameter
+    x = torch.randn(8, 64, generator=g).to(DEVICE)
+    w = torch.randn(128, generator=g).to(DEVICE)[::2]  # e.g. a weight sliced out of a packed parameter
     y = rmsnorm.rms_norm_forward(x, w, 1e-6, 0.0, torch.float32)
     assert rel_err(y, ref_forward(x, w, 1e-6, 0.0)) <= FP32_TOL
-    dy = torch.randn(8, 64, generator=g)
+    dy = torch.randn(8, 64, generator=g).to(DEVICE)
     dx, _ = rmsnorm.rms_norm_backward(dy, x, w, 1e-6, 0.0, True)
     assert rel_err(dx, ref_backward(dy, x, w, 1e-6, 0.0, True)[0]) <= FP32_TOL
 
@@ -241,12 +257,12 @@ def test_non_contiguous_weight():
 @pytest.mark.parametrize("shape", [(0, 64), (2, 0, 123)])
 @pytest.mark.parametrize("compute_weight_grad", [True, False])
 def test_zero_rows(shape, compute_weight_grad):
-    x = torch.randn(shape)
-    w = torch.randn(shape[-1])
+    x = torch.randn(shape, device=DEVICE)
+    w = torch.randn(shape[-1], device=DEVICE)
     y = rmsnorm.rms_norm_forward(x, w, 1e-6, 0.0, torch.float16)
     assert y.shape == shape and y.dtype == torch.float16
 
-    dx, dw = rmsnorm.rms_norm_backward(torch.randn(shape), x, w, 1e-6, 0.0, compute_weight_grad)
+    dx, dw = rmsnorm.rms_norm_backward(torch.randn(shape, device=DEVICE), x, w, 1e-6, 0.0, compute_weight_grad)
     assert dx.shape == shape and dx.dtype == x.dtype
     if compute_weight_grad:
         # No rows: dW is an exact zero sum, not uninitialised memory.
@@ -261,7 +277,7 @@ def test_eps_zero_with_partial_row_tiles(rows):
     # Row counts that leave padding rows in the last tile: padding rows are all-zero, so with eps == 0 their
     # rstd is inf; they must not leak NaN into the stored rows or into dW.
     x, w, g = make_inputs((rows, 96), torch.float32, torch.float32, 0.0, 10)
-    dy = torch.randn(x.shape, generator=g)
+    dy = torch.randn(x.shape, generator=g).to(DEVICE)
     y = rmsnorm.rms_norm_forward(x, w, 0.0, 0.0, torch.float32)
     assert rel_err(y, ref_forward(x, w, 0.0, 0.0)) <= FP32_TOL
     dx, dw = rmsnorm.rms_norm_backward(dy, x, w, 0.0, 0.0, True)
@@ -272,7 +288,7 @@ def test_eps_zero_with_partial_row_tiles(rows):
 
 
 def test_hidden_size_above_limit_is_refused():
-    x = torch.empty(1, rmsnorm.MAX_HIDDEN + 1)
+    x = torch.empty(1, rmsnorm.MAX_HIDDEN + 1, device=DEVICE)
     with pytest.raises(ValueError, match="hidden size"):
         rmsnorm.rms_norm_forward(x, None, 1e-6, 0.0, torch.float32)
     with pytest.raises(ValueError, match="hidden size"):
@@ -281,14 +297,14 @@ def test_hidden_size_above_limit_is_refused():
 
 # --- edge values ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("has_weight", [True, False])
 def test_all_zero_row_is_finite(dtype, has_weight):
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(6, 123, generator=g).to(dtype)
+    x = torch.randn(6, 123, generator=g).to(dtype).to(DEVICE)
     x[2] = 0
-    w = (torch.randn(123, generator=g) + 1).to(dtype) if has_weight else None
-    dy = torch.randn(6, 123, generator=g).to(dtype)
+    w = (torch.randn(123, generator=g) + 1).to(dtype).to(DEVICE) if has_weight else None
+    dy = torch.randn(6, 123, generator=g).to(dtype).to(DEVICE)
 
     y = rmsnorm.rms_norm_forward(x, w, 1e-6, 0.0, dtype)
     assert torch.isfinite(y).all()
@@ -314,16 +330,19 @@ def test_all_zero_row_is_finite(dtype, has_weight):
         (torch.float32, 1e-25, 1e-6),  # x² underflows in fp32; eps dominates, y ≈ x / sqrt(eps)
         (torch.float16, 1e-3, 1e-12),  # mean(x²) ~ 1e-6: would be fp16-subnormal if squared in fp16
         (torch.float16, 2e-5, 1e-6),  # x itself fp16-subnormal
-    ],
+    ] + ([
+        (torch.bfloat16, 1e15, 1e-6),  # far beyond fp16's range; x² ~ 1e30 still fits fp32
+        (torch.bfloat16, 1e-20, 1e-6),  # x² ~ 1e-40 underflows in fp32; eps dominates
+    ] if DEVICE == "cuda" else []),
 )
 def test_extreme_magnitudes(dtype, scale, eps):
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(33, 1000, generator=g, dtype=torch.float64) * scale)
     if dtype == torch.float16:
         x = x.clamp(-60000, 60000)
-    x = x.to(dtype)
-    w = (torch.randn(1000, generator=g) * 0.5 + 1).to(dtype)
-    dy = torch.randn(33, 1000, generator=g).to(dtype)
+    x = x.to(dtype).to(DEVICE)
+    w = (torch.randn(1000, generator=g) * 0.5 + 1).to(dtype).to(DEVICE)
+    dy = torch.randn(33, 1000, generator=g).to(dtype).to(DEVICE)
 
     y = rmsnorm.rms_norm_forward(x, w, eps, 0.0, dtype)
     assert torch.isfinite(y).all()

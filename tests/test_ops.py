@@ -1,7 +1,8 @@
 """The graphopt:: op contract (lowering/ops.py): opcheck, autograd wiring, fake (meta) implementations.
 
-On CPU the ops run their pure-torch reference body; values are checked against torch's own rms_norm, which
-shares no code with graphopt.
+Runs on DEVICE: on CPU the ops run their pure-torch reference body; on CUDA the Triton kernels that
+graphopt.lowering.cuda registers for the "cuda" device type. Values are checked against torch's own rms_norm,
+which shares no code with graphopt. Inputs are drawn on the CPU (reproducible everywhere), then moved to DEVICE.
 """
 
 import pytest
@@ -13,6 +14,9 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphopt  # noqa: F401  (registers torch.ops.graphopt.*)
+from graphopt.kernels import rmsnorm as triton_rmsnorm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 rms_norm = torch.ops.graphopt.rms_norm
 rms_norm_backward = torch.ops.graphopt.rms_norm_backward
@@ -24,9 +28,16 @@ def expected_forward(x, w, eps, offset, out_dtype):
     return F.rms_norm(x.double(), (x.shape[-1],), weight, eps).to(out_dtype)
 
 
-def _t(shape, dtype=torch.float32, requires_grad=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(requires_grad)
+def _t(shape, dtype=torch.float32, requires_grad=False, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)  # a CPU generator: the draw happens on the CPU, then moves
+    t = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(device)
+    return t.requires_grad_(requires_grad)  # after the move, so the tensor on `device` is the leaf
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in fp64 on the CPU (either side may live on DEVICE)."""
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    return ((out - ref).norm() / ref.norm()).item()
 
 
 # --- opcheck --------------------------------------------------------------------------------------------
@@ -99,15 +110,21 @@ def test_forward_values(offset, has_weight, out_dtype):
     w = _t((64,), seed=1) * 0.3 if has_weight else None
     y = rms_norm(x, w, 1e-5, offset, out_dtype)
     assert y.shape == x.shape and y.dtype == out_dtype
-    # Both sides are rounded once from (nearly) exact values, so they agree exactly or to one output ulp.
+    # Both sides are rounded once from (nearly) exact values, so they agree exactly or to one output ulp (on CUDA
+    # the kernel's fp32 math adds a few fp32 ulps, well inside assert_close's fp32 rtol of 1.3e-6).
     torch.testing.assert_close(y, expected_forward(x, w, 1e-5, offset, out_dtype))
 
+
+# gradcheck and the fp64 comparison with torch stay on the CPU, whatever DEVICE is: there the op runs its
+# reference body, which computes fp64 inputs in fp64. The CUDA Triton kernels accept fp64 tensors but upcast only
+# to fp32 and compute in fp32, so an fp64 gradcheck (finite differences with eps 1e-6, atol 1e-8) would fail on
+# them by design; test_cuda_kernels_match_fp64_reference checks them in fp32 against fp64 instead.
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("has_weight", [True, False])
 def test_gradcheck_fp64(offset, has_weight):
-    x = _t((3, 4, 7), torch.float64, requires_grad=True)
-    w = (_t((7,), torch.float64, seed=1) * 0.5).requires_grad_(True) if has_weight else None
+    x = _t((3, 4, 7), torch.float64, requires_grad=True, device="cpu")
+    w = (_t((7,), torch.float64, seed=1, device="cpu") * 0.5).requires_grad_(True) if has_weight else None
     inputs = (x, w) if has_weight else (x,)
 
     def f(x, w=None):
@@ -119,15 +136,46 @@ def test_gradcheck_fp64(offset, has_weight):
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_grads_match_torch_rms_norm(offset):
     # Same loss through graphopt's op and through F.rms_norm (torch's own autograd), fp64.
-    x = _t((2, 5, 33), torch.float64, requires_grad=True)
-    w = _t((33,), torch.float64, requires_grad=True, seed=1)
+    x = _t((2, 5, 33), torch.float64, requires_grad=True, device="cpu")
+    w = _t((33,), torch.float64, requires_grad=True, seed=1, device="cpu")
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    dy = _t((2, 5, 33), torch.float64, seed=2)
+    dy = _t((2, 5, 33), torch.float64, seed=2, device="cpu")
 
     (rms_norm(x, w, 1e-6, offset, torch.float64) * dy).sum().backward()
     (F.rms_norm(x2, (33,), w2 + offset, 1e-6) * dy).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Triton kernels are registered for CUDA tensors only")
+@pytest.mark.parametrize("shape", [(3, 4, 7), (2, 33, 1000)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("has_weight", [True, False])
+def test_cuda_kernels_match_fp64_reference(shape, offset, has_weight, monkeypatch):
+    # The op's forward and backward through autograd on CUDA (the Triton kernels, fp32 math) against torch's
+    # F.rms_norm and its autograd in fp64 on the CPU: the fp32 bound of DESIGN.md, rel err ≤ 1e-5.
+    calls = []
+    for name in ("rms_norm_forward", "rms_norm_backward"):
+        def spy(*args, _real=getattr(triton_rmsnorm, name), _name=name):
+            calls.append(_name)
+            return _real(*args)
+        monkeypatch.setattr(triton_rmsnorm, name, spy)
+
+    x = _t(shape, torch.float32, requires_grad=True)
+    w = (_t(shape[-1:], seed=1) * 0.5 + (0.0 if offset else 1.0)).requires_grad_(True) if has_weight else None
+    dy = _t(shape, seed=2)
+    y = rms_norm(x, w, 1e-5, offset, torch.float32)
+    y.backward(dy)
+    assert calls == ["rms_norm_forward", "rms_norm_backward"], "the CUDA dispatch did not reach the Triton kernels"
+
+    x64 = x.detach().cpu().double().requires_grad_()
+    w64 = w.detach().cpu().double().requires_grad_() if has_weight else None
+    y64 = F.rms_norm(x64, shape[-1:], None if w64 is None else w64 + offset, 1e-5)
+    y64.backward(dy.cpu().double())
+    assert rel_err(y, y64) <= 1e-5
+    assert rel_err(x.grad, x64.grad) <= 1e-5
+    if has_weight:
+        assert rel_err(w.grad, w64.grad) <= 1e-5
 
 
 class _RecordOps(TorchDispatchMode):
@@ -200,8 +248,8 @@ def test_no_weight_backward_passes_none():
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fake_forward_shapes_and_dtypes(out_dtype):
     with FakeTensorMode():
-        x = torch.empty(2, 7, 48, dtype=torch.bfloat16)
-        w = torch.empty(48, dtype=torch.bfloat16)
+        x = torch.empty(2, 7, 48, dtype=torch.bfloat16, device=DEVICE)
+        w = torch.empty(48, dtype=torch.bfloat16, device=DEVICE)
         y = rms_norm(x, w, 1e-6, 0.0, out_dtype)
         y_nw = rms_norm(x, None, 1e-6, 1.0, out_dtype)
     for out in (y, y_nw):
@@ -212,9 +260,9 @@ def test_fake_forward_shapes_and_dtypes(out_dtype):
 @pytest.mark.parametrize("compute_weight_grad", [True, False])
 def test_fake_backward_shapes_and_dtypes(compute_weight_grad):
     with FakeTensorMode():
-        x = torch.empty(2, 7, 48, dtype=torch.float16)
-        w = torch.empty(48, dtype=torch.float32)
-        dy = torch.empty(2, 7, 48, dtype=torch.float32)
+        x = torch.empty(2, 7, 48, dtype=torch.float16, device=DEVICE)
+        w = torch.empty(48, dtype=torch.float32, device=DEVICE)
+        dy = torch.empty(2, 7, 48, dtype=torch.float32, device=DEVICE)
         dx, dw = rms_norm_backward(dy, x, w, 1e-6, 0.0, compute_weight_grad)
     assert dx.shape == x.shape and dx.dtype == torch.float16
     if compute_weight_grad:
@@ -230,8 +278,8 @@ def test_fake_symbolic_shapes():
         return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
             dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim()))
 
-    x, dy = sym(torch.randn(3, 5, 8)), sym(torch.randn(3, 5, 8))
-    w = sym(torch.randn(8))
+    x, dy = sym(torch.randn(3, 5, 8, device=DEVICE)), sym(torch.randn(3, 5, 8, device=DEVICE))
+    w = sym(torch.randn(8, device=DEVICE))
     assert all(isinstance(s, torch.SymInt) for s in x.shape)
     with mode:
         y = rms_norm(x, w, 1e-6, 0.0, torch.bfloat16)
