@@ -36,14 +36,12 @@ def compile_graph(gm, example_inputs, options: Options):
         if name in options.fusions:
             fuse(gm, report)
 
-    # 6 (decided here, applied below autograd). lower
+    # 4–6. autograd → partition → lower. The target's lowering says how each graphopt op will run.
     lowering = lowering_registry.lowering_for(report.target)
     lowering_registry.record(gm, lowering, report)
 
-    # 7. report — published before compiling, so a compile error can be read against it
+    # 7. report: published before Inductor compiles, so a compile error can be read against it
     publish(report, options.report)
-
-    # 4–6. autograd, partition, lower
     return _autograd_partition_lower(gm, example_inputs, lowering)
 
 

@@ -1,0 +1,74 @@
+"""Targets without a lowering of their own, the `fusions` option, and the backend from a fresh process."""
+
+import subprocess
+import sys
+
+import torch
+
+import graphopt
+from graphopt.lowering import registry
+from graphs import relative_error
+from test_fuse_rmsnorm import GemmaStyle, LlamaStyle, Stack
+
+
+def small_model():
+    torch.manual_seed(0)
+    return Stack([LlamaStyle(32), GemmaStyle(32)], 32)
+
+
+def test_target_without_lowering_runs_the_reference_eagerly(monkeypatch):
+    monkeypatch.setattr(registry, "lowering_for", lambda target: _mps_lowering())
+    model, x = small_model(), torch.randn(4, 32, requires_grad=True)
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="graphopt")(x)
+    out.sum().backward()
+    grad, x.grad = x.grad, None
+    expected = model(x)
+    expected.sum().backward()
+    assert relative_error(out, expected) <= 1e-6 and relative_error(grad, x.grad) <= 1e-5
+    report = graphopt.last_report()
+    assert len(report.fusions) == 2
+    assert all("reference" in r.implementation for r in report.lowering)
+    assert report.lowering[0].note == "no lowering for target 'mps'"
+
+
+def _mps_lowering():
+    lowering = _original_lowering_for("mps")
+    assert not lowering.inductor and lowering.target == "mps"
+    return lowering
+
+
+_original_lowering_for = registry.lowering_for
+
+
+def test_fusions_option_turns_a_fusion_off():
+    model, x = small_model(), torch.randn(4, 32)
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="graphopt", options={"fusions": {"rms_norm": False}})(x)
+    report = graphopt.last_report()
+    assert report.fusions == [] and report.misses == [] and report.lowering == []
+    assert relative_error(out, model(x)) <= 1e-6
+
+
+def test_backend_found_without_import_in_a_fresh_process():
+    code = (
+        "import sys, torch\n"
+        "assert 'graphopt' not in sys.modules\n"
+        "f = torch.compile(lambda x, w: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)),"
+        " backend='graphopt')\n"
+        "x, w = torch.randn(3, 8), torch.randn(8)\n"
+        "y = f(x, w)\n"
+        "import graphopt\n"
+        "print(len(graphopt.last_report().fusions))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1"
+
+
+def test_demo_runs_and_prints_the_report():
+    result = subprocess.run([sys.executable, "-m", "graphopt", "demo", "--steps", "2", "--batch", "2", "--seq", "32"],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    assert "step   2  loss" in result.stdout
+    assert "fusions (9): rms_norm ×9" in result.stdout and "misses (0)" in result.stdout
