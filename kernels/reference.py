@@ -33,3 +33,32 @@ def rms_norm_backward(grad_out, x, weight, eps, weight_offset, compute_weight_gr
     else:
         grad_w = x.new_empty(0)
     return grad_x.to(x.dtype), grad_w
+
+
+# Gated activations: h = act(gate) * up, act = silu (SwiGLU) or tanh-approximate gelu (GeGLU).
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _activation(gate, activation):
+    if activation == "silu":
+        return torch.nn.functional.silu(gate)
+    return torch.nn.functional.gelu(gate, approximate="tanh")
+
+
+def gated_activation(gate, up, activation):
+    dtype = _compute_dtype(gate)
+    return (_activation(gate.to(dtype), activation) * up.to(dtype)).to(gate.dtype)
+
+
+def gated_activation_backward(grad_out, gate, up, activation):
+    dtype = _compute_dtype(gate)
+    g, u, dh = gate.to(dtype), up.to(dtype), grad_out.to(dtype)
+    if activation == "silu":
+        s = torch.sigmoid(g)
+        act, dact = g * s, s * (1 + g * (1 - s))
+    else:
+        k = 0.7978845608028654  # sqrt(2 / pi)
+        t = torch.tanh(k * (g + 0.044715 * g.pow(3)))
+        act = 0.5 * g * (1 + t)
+        dact = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
+    return (dh * u * dact).to(gate.dtype), (dh * act).to(up.dtype)

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphopt.kernels.layout import as_rows
+
 # One program holds a whole row in registers; wider rows use the reference (no LLM is near this).
 MAX_HIDDEN = 65536
 
@@ -68,11 +70,6 @@ def _rms_norm_backward_kernel(
         tl.store(DW_PARTIAL + pid * n_cols + cols, dw_acc, mask=col_mask)
 
 
-def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
-    rows = t.reshape(-1, n_cols)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def _tile(n_rows: int, n_cols: int, device: torch.device):
     """Block shape and warps. On CPU (the Triton interpreter) big tiles keep the program count low."""
     block_n = triton.next_power_of_2(n_cols)
@@ -97,7 +94,7 @@ def _check_hidden(n_cols: int):
 def rms_norm_forward(x, weight, eps, weight_offset, out_dtype):
     n_cols = x.shape[-1]
     _check_hidden(n_cols)
-    x2 = _as_rows(x, n_cols)
+    x2 = as_rows(x, n_cols)
     weight = weight.contiguous() if weight is not None else None
     n_rows = x2.shape[0]
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
@@ -114,8 +111,8 @@ def rms_norm_forward(x, weight, eps, weight_offset, out_dtype):
 def rms_norm_backward(grad_out, x, weight, eps, weight_offset, compute_weight_grad):
     n_cols = x.shape[-1]
     _check_hidden(n_cols)
-    x2 = _as_rows(x, n_cols)
-    dy = _as_rows(grad_out, n_cols)
+    x2 = as_rows(x, n_cols)
+    dy = as_rows(grad_out, n_cols)
     weight = weight.contiguous() if weight is not None else None
     n_rows = x2.shape[0]
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)

@@ -9,5 +9,7 @@ from graphopt.kernels import reference
 DECOMPOSITIONS = {
     torch.ops.graphopt.rms_norm.default: reference.rms_norm,
     torch.ops.graphopt.rms_norm_backward.default: reference.rms_norm_backward,
+    torch.ops.graphopt.gated_activation.default: reference.gated_activation,
+    torch.ops.graphopt.gated_activation_backward.default: reference.gated_activation_backward,
 }
 IMPLEMENTATION = "aten decomposition of kernels/reference.py, compiled by Inductor (C++)"

@@ -73,8 +73,61 @@ def _rms_norm_grad(ctx, grad_out):
 rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup_context)
 
 
+# --- gated_activation (SwiGLU, GeGLU) ----------------------------------------------------------------------
+
+@torch.library.custom_op("graphopt::gated_activation", mutates_args=())
+def gated_activation(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    """act(gate) * up in fp32 math, act = "silu" (SwiGLU) or "gelu_tanh" (GeGLU); contiguous output."""
+    _check_gated(gate, up, activation)
+    return reference.gated_activation(gate, up, activation).contiguous()
+
+
+@gated_activation.register_fake
+def _gated_activation_fake(gate, up, activation):
+    _check_gated(gate, up, activation)
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("graphopt::gated_activation_backward", mutates_args=())
+def gated_activation_backward(grad_out: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    """(grad_gate, grad_up); act(gate) is recomputed, never saved."""
+    _check_gated(gate, up, activation)
+    grad_gate, grad_up = reference.gated_activation_backward(grad_out, gate, up, activation)
+    return grad_gate.contiguous(), grad_up.contiguous()
+
+
+@gated_activation_backward.register_fake
+def _gated_activation_backward_fake(grad_out, gate, up, activation):
+    _check_gated(gate, up, activation)
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _check_gated(gate, up, activation):
+    torch._check(activation in reference.GATED_ACTIVATIONS,
+                 lambda: f"gated_activation: activation {activation!r} is not one of {reference.GATED_ACTIVATIONS}")
+    torch._check(gate.shape == up.shape and gate.dtype == up.dtype,
+                 lambda: f"gated_activation: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                         f"{up.dtype} must have one shape and dtype")
+
+
+def _gated_setup_context(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+
+
+def _gated_grad(ctx, grad_out):
+    gate, up = ctx.saved_tensors
+    grad_gate, grad_up = torch.ops.graphopt.gated_activation_backward(grad_out, gate, up, ctx.activation)
+    return grad_gate, grad_up, None
+
+
+gated_activation.register_autograd(_gated_grad, setup_context=_gated_setup_context)
+
+
 # Forward op → its backward op, for the report and the lowerings.
 BACKWARD_OF = {
     torch.ops.graphopt.rms_norm.default: torch.ops.graphopt.rms_norm_backward.default,
+    torch.ops.graphopt.gated_activation.default: torch.ops.graphopt.gated_activation_backward.default,
 }
 ALL_OPS = [op for pair in BACKWARD_OF.items() for op in pair]

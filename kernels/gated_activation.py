@@ -1,0 +1,85 @@
+"""SwiGLU / GeGLU Triton kernels: h = act(gate) * up and its backward; kernels/reference.py defines them.
+
+fp32 math inside. The backward recomputes act(gate) from gate rather than reading a saved activation.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from graphopt.kernels.layout import as_rows
+
+_SILU, _GELU_TANH = 0, 1
+_KINDS = {"silu": _SILU, "gelu_tanh": _GELU_TANH}
+
+
+@triton.jit
+def _act_and_derivative(g, KIND: tl.constexpr):
+    if KIND == 0:  # silu
+        s = tl.sigmoid(g)
+        return g * s, s * (1.0 + g * (1.0 - s))
+    else:  # tanh-approximate gelu; tanh(z) = 2 sigmoid(2z) - 1 (no tanh in every Triton's core language)
+        k = 0.7978845608028654
+        t = 2.0 * tl.sigmoid(2.0 * k * (g + 0.044715 * g * g * g)) - 1.0
+        return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * g * g)
+
+
+@triton.jit
+def _offsets(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    return rows[:, None], cols[None, :], mask
+
+
+@triton.jit
+def _gated_forward_kernel(G, U, H, n_rows, n_cols, stride_g, stride_u, stride_h,
+                          KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows, cols, mask = _offsets(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    act, _ = _act_and_derivative(g, KIND)
+    tl.store(H + rows * stride_h + cols, (act * u).to(H.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_backward_kernel(DH, G, U, DG, DU, n_rows, n_cols, stride_dh, stride_g, stride_u, stride_dg, stride_du,
+                           KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows, cols, mask = _offsets(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    dh = tl.load(DH + rows * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    act, dact = _act_and_derivative(g, KIND)
+    tl.store(DG + rows * stride_dg + cols, (dh * u * dact).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + rows * stride_du + cols, (dh * act).to(DU.dtype.element_ty), mask=mask)
+
+
+def _grid(n_rows, n_cols, device):
+    block_n = min(triton.next_power_of_2(max(n_cols, 1)), 1024)
+    elements = 65536 if device.type == "cpu" else 4096  # the interpreter wants few, large programs
+    block_m = max(1, min(elements // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    return block_m, block_n, (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+
+
+def gated_activation_forward(gate, up, activation):
+    n_cols = gate.shape[-1]
+    g, u = as_rows(gate, n_cols), as_rows(up, n_cols)
+    h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    if h.numel():
+        block_m, block_n, grid = _grid(g.shape[0], n_cols, gate.device)
+        _gated_forward_kernel[grid](g, u, h, g.shape[0], n_cols, g.stride(0), u.stride(0), h.stride(0),
+                                    KIND=_KINDS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    return h.view(gate.shape)
+
+
+def gated_activation_backward(grad_out, gate, up, activation):
+    n_cols = gate.shape[-1]
+    dh, g, u = as_rows(grad_out, n_cols), as_rows(gate, n_cols), as_rows(up, n_cols)
+    dg = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
+    du = torch.empty(u.shape, dtype=up.dtype, device=up.device)
+    if dg.numel():
+        block_m, block_n, grid = _grid(g.shape[0], n_cols, gate.device)
+        _gated_backward_kernel[grid](dh, g, u, dg, du, g.shape[0], n_cols, dh.stride(0), g.stride(0), u.stride(0),
+                                     dg.stride(0), du.stride(0), KIND=_KINDS[activation], BLOCK_M=block_m,
+                                     BLOCK_N=block_n, num_warps=4)
+    return dg.view(gate.shape), du.view(up.shape)
