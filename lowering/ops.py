@@ -19,17 +19,18 @@ from graphopt.kernels import reference
 def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float, out_dtype: torch.dtype) -> Tensor:
     """x * rsqrt(mean(x², -1) + eps) * (weight + weight_offset), fp32 math, one rounding to out_dtype.
     Outputs are contiguous whatever the input's layout (as the fake says and the kernels write)."""
-    _check_weight(x, weight)
+    check_rms_norm(x, weight)
     return reference.rms_norm(x, weight, eps, weight_offset, out_dtype).contiguous()
 
 
 @rms_norm.register_fake
 def _rms_norm_fake(x, weight, eps, weight_offset, out_dtype):
-    _check_weight(x, weight)
+    check_rms_norm(x, weight)
     return x.new_empty(x.shape, dtype=out_dtype)
 
 
-def _check_weight(x, weight, compute_weight_grad=False):
+def check_rms_norm(x, weight, compute_weight_grad=False):
+    """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
     if weight is not None:
         torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1],
                      lambda: f"rms_norm: weight of shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
@@ -42,14 +43,14 @@ def rms_norm_backward(
     grad_out: Tensor, x: Tensor, weight: Optional[Tensor], eps: float, weight_offset: float, compute_weight_grad: bool
 ) -> tuple[Tensor, Tensor]:
     """(grad_x, grad_weight); grad_weight is an empty tensor when compute_weight_grad is False."""
-    _check_weight(x, weight, compute_weight_grad)
+    check_rms_norm(x, weight, compute_weight_grad)
     grad_x, grad_w = reference.rms_norm_backward(grad_out, x, weight, eps, weight_offset, compute_weight_grad)
     return grad_x.contiguous(), grad_w
 
 
 @rms_norm_backward.register_fake
 def _rms_norm_backward_fake(grad_out, x, weight, eps, weight_offset, compute_weight_grad):
-    _check_weight(x, weight, compute_weight_grad)
+    check_rms_norm(x, weight, compute_weight_grad)
     grad_w = weight.new_empty(weight.shape) if compute_weight_grad else x.new_empty(0)
     return x.new_empty(x.shape), grad_w
 
@@ -78,31 +79,32 @@ rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup_context
 @torch.library.custom_op("graphopt::gated_activation", mutates_args=())
 def gated_activation(gate: Tensor, up: Tensor, activation: str) -> Tensor:
     """act(gate) * up in fp32 math, act = "silu" (SwiGLU) or "gelu_tanh" (GeGLU); contiguous output."""
-    _check_gated(gate, up, activation)
+    check_gated_activation(gate, up, activation)
     return reference.gated_activation(gate, up, activation).contiguous()
 
 
 @gated_activation.register_fake
 def _gated_activation_fake(gate, up, activation):
-    _check_gated(gate, up, activation)
+    check_gated_activation(gate, up, activation)
     return gate.new_empty(gate.shape)
 
 
 @torch.library.custom_op("graphopt::gated_activation_backward", mutates_args=())
 def gated_activation_backward(grad_out: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
     """(grad_gate, grad_up); act(gate) is recomputed, never saved."""
-    _check_gated(gate, up, activation)
+    check_gated_activation(gate, up, activation)
     grad_gate, grad_up = reference.gated_activation_backward(grad_out, gate, up, activation)
     return grad_gate.contiguous(), grad_up.contiguous()
 
 
 @gated_activation_backward.register_fake
 def _gated_activation_backward_fake(grad_out, gate, up, activation):
-    _check_gated(gate, up, activation)
+    check_gated_activation(gate, up, activation)
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
-def _check_gated(gate, up, activation):
+def check_gated_activation(gate, up, activation):
+    """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
     torch._check(activation in reference.GATED_ACTIVATIONS,
                  lambda: f"gated_activation: activation {activation!r} is not one of {reference.GATED_ACTIVATIONS}")
     torch._check(gate.shape == up.shape and gate.dtype == up.dtype,

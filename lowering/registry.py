@@ -28,7 +28,8 @@ class Lowering:
 def lowering_for(target: str) -> Lowering:
     if target in ("cuda", "hip") and cuda is not None:
         note = "" if target == "cuda" else "Triton kernels with NVIDIA launch configurations, not yet tuned for AMD"
-        return Lowering(target, inductor=True, implementations=dict(cuda.IMPLEMENTATIONS), note=note)
+        return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
+                        implementations=dict(cuda.IMPLEMENTATIONS), note=note)
     if target == "cpu":
         return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
                         implementations={op: cpu.IMPLEMENTATION for op in ops.ALL_OPS})
