@@ -62,3 +62,27 @@ def gated_activation_backward(grad_out, gate, up, activation):
         act = 0.5 * g * (1 + t)
         dact = 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * k * (1 + 3 * 0.044715 * g * g)
     return (dh * u * dact).to(gate.dtype), (dh * act).to(up.dtype)
+
+
+# LoRA linear (PEFT): out = (x·Wᵀ + b + ((x as adapter dtype)·Aᵀ)·Bᵀ · scaling) as out_dtype, the same operations
+# in the same dtypes as PEFT's eager forward. Only A and B train; the base weight and bias are frozen.
+
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
+    base = torch.nn.functional.linear(x, weight, bias)
+    lora = torch.nn.functional.linear(torch.nn.functional.linear(x.to(lora_a.dtype), lora_a), lora_b) * scaling
+    return (base + lora).to(out_dtype)
+
+
+def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling):
+    """(grad_x, grad_a, grad_b). The adapter-dtype copy of x and x·Aᵀ are recomputed here, never saved."""
+    base_dtype = torch.promote_types(x.dtype, weight.dtype)
+    grad = grad_out.to(torch.promote_types(base_dtype, lora_b.dtype))
+    grad_lora = (grad * scaling).to(lora_b.dtype).reshape(-1, lora_b.shape[0])
+    x_adapter = x.to(lora_a.dtype).reshape(-1, x.shape[-1])
+    xa = x_adapter @ lora_a.t()
+    grad_b = grad_lora.t() @ xa
+    grad_xa = grad_lora @ lora_b
+    grad_a = grad_xa.t() @ x_adapter
+    grad_x_lora = (grad_xa @ lora_a).to(x.dtype).reshape(x.shape)
+    grad_x = (grad.to(base_dtype) @ weight).to(x.dtype) + grad_x_lora
+    return grad_x, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype)

@@ -16,6 +16,10 @@ IMPLEMENTATIONS = {
                                                   "(dX, and dW reduced per program band when the weight trains)",
     torch.ops.graphopt.gated_activation.default: _GENERATED,
     torch.ops.graphopt.gated_activation_backward.default: _GENERATED + " (activation recomputed)",
+    torch.ops.graphopt.lora_linear.default: "cuBLAS matmuls of kernels/reference.py as one op (see lowering/cpu.py: "
+                                            "kept opaque so the fp32 copy of x is never saved)",
+    torch.ops.graphopt.lora_linear_backward.default: "cuBLAS matmuls: dX, dA, dB; the adapter-dtype copy of x "
+                                                     "is recomputed, not saved",
 }
 
 # In compiled graphs the gated activation is decomposed below autograd: Inductor then generates one Triton kernel

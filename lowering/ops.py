@@ -127,9 +127,69 @@ def _gated_grad(ctx, grad_out):
 gated_activation.register_autograd(_gated_grad, setup_context=_gated_setup_context)
 
 
+# --- lora_linear (PEFT LoRA Linear) -----------------------------------------------------------------------
+
+@torch.library.custom_op("graphopt::lora_linear", mutates_args=())
+def lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
+                out_dtype: torch.dtype) -> Tensor:
+    """Frozen base linear plus LoRA path, PEFT's operations and dtypes; the backward gives dX, dA, dB only."""
+    check_lora_linear(x, weight, lora_a, lora_b)
+    return reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype).contiguous()
+
+
+@lora_linear.register_fake
+def _lora_linear_fake(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
+    check_lora_linear(x, weight, lora_a, lora_b)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("graphopt::lora_linear_backward", mutates_args=())
+def lora_linear_backward(grad_out: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
+                         scaling: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_x, grad_a, grad_b); the adapter-dtype copy of x is recomputed, so only x itself is saved."""
+    check_lora_linear(x, weight, lora_a, lora_b)
+    grads = reference.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling)
+    return tuple(g.contiguous() for g in grads)
+
+
+@lora_linear_backward.register_fake
+def _lora_linear_backward_fake(grad_out, x, weight, lora_a, lora_b, scaling):
+    check_lora_linear(x, weight, lora_a, lora_b)
+    return x.new_empty(x.shape), lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)
+
+
+def check_lora_linear(x, weight, lora_a, lora_b):
+    """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
+    torch._check(weight.dim() == 2 and lora_a.dim() == 2 and lora_b.dim() == 2,
+                 lambda: "lora_linear: weight, lora_a and lora_b must be matrices")
+    torch._check(x.shape[-1] == weight.shape[1] and lora_a.shape[1] == weight.shape[1]
+                 and lora_b.shape[0] == weight.shape[0] and lora_b.shape[1] == lora_a.shape[0],
+                 lambda: f"lora_linear: shapes do not chain: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
+
+
+def _lora_setup_context(ctx, inputs, output):
+    x, weight, bias, lora_a, lora_b, scaling, _ = inputs
+    ctx.save_for_backward(x, weight, lora_a, lora_b)
+    ctx.scaling = scaling
+
+
+def _lora_grad(ctx, grad_out):
+    x, weight, lora_a, lora_b = ctx.saved_tensors
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        raise RuntimeError("graphopt::lora_linear computes no gradient for the base weight or bias: they must be "
+                           "frozen (requires_grad=False), as PEFT leaves them; the fusion pass never fuses otherwise")
+    grad_x, grad_a, grad_b = torch.ops.graphopt.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, ctx.scaling)
+    return grad_x, None, None, grad_a, grad_b, None, None
+
+
+lora_linear.register_autograd(_lora_grad, setup_context=_lora_setup_context)
+
+
 # Forward op → its backward op, for the report and the lowerings.
 BACKWARD_OF = {
     torch.ops.graphopt.rms_norm.default: torch.ops.graphopt.rms_norm_backward.default,
     torch.ops.graphopt.gated_activation.default: torch.ops.graphopt.gated_activation_backward.default,
+    torch.ops.graphopt.lora_linear.default: torch.ops.graphopt.lora_linear_backward.default,
 }
 ALL_OPS = [op for pair in BACKWARD_OF.items() for op in pair]

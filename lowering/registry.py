@@ -32,7 +32,7 @@ def lowering_for(target: str) -> Lowering:
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note)
     if target == "cpu":
         return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
-                        implementations={op: cpu.IMPLEMENTATION for op in ops.ALL_OPS})
+                        implementations=dict(cpu.IMPLEMENTATIONS))
     reason = f"no lowering for target {target!r}" + ("" if cuda is not None else f" (Triton missing: {_CUDA_MISSING})")
     return Lowering(target, inductor=False, implementations={op: "pure-torch reference (kernels/reference.py)"
                                                              for op in ops.ALL_OPS}, note=reason)
