@@ -25,6 +25,18 @@ def first_output(gm, inputs):
     return out
 
 
+def run_pass(fuse, model, *args):
+    """Capture model(*args), normalize it, run one fusion pass: (gm, inputs, output before, report, fused)."""
+    from graphopt.passes.normalize import normalize
+    from graphopt.report import Report
+
+    gm, inputs = capture(model, *args)
+    expected = first_output(gm, inputs)
+    normalize(gm)
+    report = Report(graph=0)
+    return gm, inputs, expected, report, fuse(gm, report)
+
+
 def count_calls(gm, target) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
 

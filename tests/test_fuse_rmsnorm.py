@@ -8,9 +8,7 @@ from hypothesis import strategies as st
 
 import graphopt  # noqa: F401  (registers graphopt::rms_norm)
 from graphopt.passes.fuse_rmsnorm import fuse_rmsnorm
-from graphopt.passes.normalize import normalize
-from graphopt.report import Report
-from graphs import capture, count_calls, first_output, relative_error
+from graphs import count_calls, first_output, relative_error, run_pass
 
 FUSED = torch.ops.graphopt.rms_norm.default
 TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}  # a few ulps of the output
@@ -64,13 +62,6 @@ class Stack(torch.nn.Module):
         return x
 
 
-def run_pass(model, x):
-    gm, inputs = capture(model, x)
-    expected = first_output(gm, inputs)
-    normalize(gm)
-    report = Report(graph=0)
-    fused = fuse_rmsnorm(gm, report)
-    return gm, inputs, expected, report, fused
 
 
 SQUARES = [lambda x: x.pow(2), lambda x: x * x, lambda x: x ** 2, torch.square]
@@ -92,7 +83,7 @@ def test_every_norm_fuses_and_numbers_hold(kinds, dtype, hidden, eps, square, up
     }
     model = Stack([make[k]() for k in kinds], hidden).to(dtype)
     x = torch.randn(2, 5, hidden, dtype=dtype)
-    gm, inputs, expected, report, fused = run_pass(model, x)
+    gm, inputs, expected, report, fused = run_pass(fuse_rmsnorm, model, x)
     assert fused == len(kinds) == count_calls(gm, FUSED) == len(report.fusions)
     assert report.misses == []
     assert count_calls(gm, torch.rsqrt) == 0 and count_calls(gm, F.rms_norm) == 0
@@ -101,14 +92,14 @@ def test_every_norm_fuses_and_numbers_hold(kinds, dtype, hidden, eps, square, up
 
 def test_fused_node_arguments():
     model = Stack([LlamaStyle(16, eps=1e-5), GemmaStyle(16, eps=3e-6)], 16).to(torch.bfloat16)
-    gm, *_ = run_pass(model, torch.randn(4, 16, dtype=torch.bfloat16))
+    gm, *_ = run_pass(fuse_rmsnorm, model, torch.randn(4, 16, dtype=torch.bfloat16))
     args = [n.args[2:] for n in gm.graph.nodes if n.target == FUSED]
     assert args == [(1e-5, 0.0, torch.bfloat16), (3e-6, 1.0, torch.bfloat16)]
 
 
 def test_report_records_module_source_dtype_shape():
     model = Stack([LlamaStyle(16)], 16)
-    _, _, _, report, _ = run_pass(model, torch.randn(3, 16))
+    _, _, _, report, _ = run_pass(fuse_rmsnorm, model, torch.randn(3, 16))
     (record,) = report.fusions
     assert record.pattern == "rms_norm"
     assert record.module == "norms.0"
@@ -155,7 +146,7 @@ class OddRMSNorm(torch.nn.Module):  # eps outside the root: a different function
 ])
 def test_unprovable_norms_stay_unfused_with_a_reason(norm, dtype, reason):
     model = Stack([norm.to(dtype)], 8).to(dtype)
-    gm, inputs, expected, report, fused = run_pass(model, torch.randn(3, 8, dtype=dtype))
+    gm, inputs, expected, report, fused = run_pass(fuse_rmsnorm, model, torch.randn(3, 8, dtype=dtype))
     assert fused == 0 and report.fusions == [] and count_calls(gm, FUSED) == 0
     assert len(report.misses) == 1 and reason in report.misses[0].reason
     assert report.misses[0].module == "norms.0"

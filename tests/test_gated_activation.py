@@ -11,9 +11,7 @@ import graphopt  # noqa: F401  (registers the graphopt ops)
 from graphopt.kernels import gated_activation as kernels
 from graphopt.kernels import reference
 from graphopt.passes.fuse_swiglu import fuse_swiglu
-from graphopt.passes.normalize import normalize
-from graphopt.report import Report
-from graphs import capture, count_calls, first_output, relative_error
+from graphs import count_calls, first_output, relative_error, run_pass
 from test_kernel_rmsnorm import DEVICE, DTYPES, TOL
 
 ACTIVATIONS = ["silu", "gelu_tanh"]
@@ -117,12 +115,6 @@ class MLP(torch.nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-def run_pass(model, x):
-    gm, example = capture(model, x)
-    expected = first_output(gm, example)
-    normalize(gm)
-    report = Report(graph=0)
-    return gm, example, expected, report, fuse_swiglu(gm, report)
 
 
 @pytest.mark.parametrize("kind, pattern", [("swiglu", "swiglu"), ("module_silu", "swiglu"), ("geglu", "geglu"),
@@ -130,7 +122,7 @@ def run_pass(model, x):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pass_fuses_every_mlp(kind, pattern, dtype):
     model = torch.nn.Sequential(MLP(24, kind), MLP(24, kind)).to(dtype)
-    gm, example, expected, report, fused = run_pass(model, torch.randn(2, 5, 24, dtype=dtype))
+    gm, example, expected, report, fused = run_pass(fuse_swiglu, model, torch.randn(2, 5, 24, dtype=dtype))
     assert fused == 2 == count_calls(gm, OP) and count_calls(gm, F.silu) + count_calls(gm, F.gelu) == 0
     assert [r.pattern for r in report.fusions] == [pattern] * 2 and report.misses == []
     assert [r.module for r in report.fusions] == ["0", "1"]
@@ -166,10 +158,7 @@ class Scaled(torch.nn.Module):
     (Scaled(), "multiplied by a constant"),
 ])
 def test_unprovable_products_stay_unfused_with_a_reason(model, reason):
-    gm, example = capture(model, torch.randn(4, 8), torch.randn(4, 8))
-    expected = first_output(gm, example)
-    normalize(gm)
-    report = Report(graph=0)
-    assert fuse_swiglu(gm, report) == 0 and count_calls(gm, OP) == 0
+    gm, example, expected, report, fused = run_pass(fuse_swiglu, model, torch.randn(4, 8), torch.randn(4, 8))
+    assert fused == 0 and count_calls(gm, OP) == 0
     assert len(report.misses) == 1 and reason in report.misses[0].reason
     torch.testing.assert_close(first_output(gm, example), expected, rtol=0, atol=0)

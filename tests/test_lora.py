@@ -9,9 +9,7 @@ from hypothesis import strategies as st
 
 import graphopt
 from graphopt.passes.fuse_lora import fuse_lora
-from graphopt.passes.normalize import normalize
-from graphopt.report import Report
-from graphs import capture, count_calls, first_output, relative_error
+from graphs import count_calls, first_output, relative_error, run_pass
 from models import ARCHITECTURES, tiny_lora_model
 from test_end_to_end import compile_and_compare
 
@@ -90,17 +88,11 @@ def mlp(dtype=torch.float32, **lora):
     return peft.get_peft_model(model, config)
 
 
-def run_pass(model, x):
-    gm, example = capture(model, x)
-    expected = first_output(gm, example)
-    normalize(gm)
-    report = Report(graph=0)
-    return gm, example, expected, report, fuse_lora(gm, report)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pass_fuses_each_lora_linear(dtype):
-    gm, example, expected, report, fused = run_pass(mlp(dtype), torch.randn(3, 16, dtype=dtype))
+    gm, example, expected, report, fused = run_pass(fuse_lora, mlp(dtype), torch.randn(3, 16, dtype=dtype))
     assert fused == 2 == count_calls(gm, OP) and report.misses == []
     assert [r.module for r in report.fusions] == ["base_model.model.0", "base_model.model.2"]
     assert relative_error(first_output(gm, example), expected) <= 1e-6
@@ -127,7 +119,7 @@ def trainable_base():
 def test_unprovable_lora_layers_stay_unfused_with_a_reason(make, reason, fused):
     model = make()
     model.eval()  # dropout draws no random numbers, so the graph before and after can be compared
-    gm, example, expected, report, count = run_pass(model, torch.randn(3, 16))
+    gm, example, expected, report, count = run_pass(fuse_lora, model, torch.randn(3, 16))
     assert count == fused and report.misses and all(reason in m.reason for m in report.misses)
     assert relative_error(first_output(gm, example), expected) <= 1e-6
 
