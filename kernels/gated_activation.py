@@ -18,10 +18,10 @@ def _act_and_derivative(g, KIND: tl.constexpr):
     if KIND == 0:  # silu
         s = tl.sigmoid(g)
         return g * s, s * (1.0 + g * (1.0 - s))
-    else:  # tanh-approximate gelu; tanh(z) = 2 sigmoid(2z) - 1 (no tanh in every Triton's core language)
-        k = 0.7978845608028654
-        t = 2.0 * tl.sigmoid(2.0 * k * (g + 0.044715 * g * g * g)) - 1.0
-        return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * g * g)
+    else:  # tanh-approximate gelu, written with s = sigmoid(2u) = (1 + tanh(u)) / 2: no 1 + tanh cancellation
+        k = 0.7978845608028654  # sqrt(2 / pi)
+        s = tl.sigmoid(2.0 * k * (g + 0.044715 * g * g * g))
+        return g * s, s + 2.0 * g * s * (1.0 - s) * k * (1.0 + 3.0 * 0.044715 * g * g)
 
 
 @triton.jit
