@@ -4,8 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphopt.lowering import ops  # noqa: I001  (defines the ops the target files name)
-from graphopt.lowering import cpu
+from graphopt.lowering import cpu, ops
 from graphopt.report import LoweringRecord
 
 try:  # Triton is a Linux dependency; elsewhere the CUDA lowering is simply absent.
