@@ -33,10 +33,11 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Callable, Optional
 
 import torch
+
+from common import device_name, version_of
 import torch.nn.functional as F
 
 import graphopt  # registers torch.ops.graphopt.* (and on CUDA their Triton kernels); last_report()
@@ -288,17 +289,6 @@ def run_variant(variant, case, reference, device, args):
 
 # --- output ----------------------------------------------------------------------------------------------
 
-def device_name(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
-
-
-def version_of(package):
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _num(value, digits):

@@ -42,9 +42,10 @@ import math
 import platform
 import tempfile
 import time
-from importlib import metadata
 
 import torch
+
+from common import device_name, version_of
 
 VARIANTS = ("eager", "inductor", "graphopt", "liger", "unsloth")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -189,18 +190,6 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def device_name(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
-
-
-def version_of(package):
-    """The installed version, or None where the package is absent (triton on some CPU machines)."""
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def run(args):
@@ -296,9 +285,9 @@ def print_table(path):
             key = (r["shape"], r["batch"], r["seq"], r["dtype"], r["device_name"])
             groups.setdefault(key, []).append(r)
 
-    for (shape, batch, seq, dtype, device_name), group in groups.items():
+    for (shape, batch, seq, dtype, device), group in groups.items():
         base = next((r for r in group if r["variant"] == "inductor"), None)
-        print(f"\n{shape}, batch {batch}, seq {seq}, {dtype}, {device_name}, {group[0]['date'][:10]}\n")
+        print(f"\n{shape}, batch {batch}, seq {seq}, {dtype}, {device}, {group[0]['date'][:10]}\n")
         print("| variant | tokens/s | step ms | peak alloc GiB | ×inductor tokens/s | ×inductor memory | loss |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in group:
