@@ -11,7 +11,7 @@ or trainable base, a lora_B bias) stays unfused with a miss record.
 import torch
 from torch.fx import GraphModule, Node
 
-from graphopt.passes.normalize import is_call, is_cast, is_tensor, value
+from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, value
 from graphopt.report import module_path, record_for
 
 PATTERN = "lora"
@@ -26,10 +26,6 @@ class Miss(Exception):
 def _linear_args(node: Node):
     args = list(node.args) + [node.kwargs.get("bias")] * (3 - len(node.args))
     return args[0], args[1], args[2]
-
-
-def _only_user(node: Node):
-    return next(iter(node.users)) if len(node.users) == 1 else None
 
 
 def _is_lora_b(node: Node) -> bool:
@@ -52,13 +48,13 @@ def _match(lora_b: Node):
     if x_adapter is not x and len(x_adapter.users) != 1:
         raise Miss("the adapter-dtype copy of the input is also used elsewhere")
 
-    mul = _only_user(lora_b)
+    mul = only_user(lora_b)
     if not is_call(mul, torch.mul) or len(mul.args) != 2 or mul.args[0] is not lora_b:
         raise Miss("lora_B's output is not scaled once")
     scaling = mul.args[1]
-    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool):
+    if not is_scalar(scaling):
         raise Miss("the LoRA scaling is not a constant")
-    add = _only_user(mul)
+    add = only_user(mul)
     if not is_call(add, torch.add) or len(add.args) != 2 or add.kwargs:
         raise Miss("the scaled LoRA output is not added to the base output")
     base = add.args[0] if add.args[1] is mul else add.args[1]
@@ -70,11 +66,11 @@ def _match(lora_b: Node):
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and (not is_tensor(t) or value(t).requires_grad):
             raise Miss(f"the base {name} trains (requires_grad); the fused op keeps it frozen")
-    if value(x).dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if value(x).dtype not in FUSABLE_DTYPES:
         raise Miss(f"input dtype {value(x).dtype} is not float32, bfloat16 or float16")
 
     end = add
-    if (user := _only_user(add)) is not None and is_cast(user):
+    if (user := only_user(add)) is not None and is_cast(user):
         end = user
     return (x, weight, bias, a_weight, b_weight, float(scaling)), end, [end, add, mul, lora_b, a_out, base] + (
         [x_adapter] if x_adapter is not x else [])

@@ -12,12 +12,11 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import guard_float, statically_known_true
 
-from graphopt.passes.normalize import is_call, is_cast, is_tensor, value
+from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, same_shape, value
 from graphopt.report import module_class, module_path, record_for
 
 PATTERN = "rms_norm"
 _FUNCTIONAL = (torch.nn.functional.rms_norm, torch.rms_norm)
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 _DYNAMIC_EPS = ("epsilon arrives as a runtime tensor: Dynamo made it dynamic because it changed between two "
@@ -29,10 +28,6 @@ class Miss(Exception):
     """The candidate is not an RMSNorm the fused op computes exactly; the message says why."""
 
 
-def _only_user(node: Node):
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
 def _other_operand(mul: Node, operand: Node):
     """For a binary torch.mul/torch.add that uses `operand`, the other argument."""
     if len(mul.args) != 2 or mul.kwargs:
@@ -41,15 +36,11 @@ def _other_operand(mul: Node, operand: Node):
     return b if a is operand else a if b is operand else None
 
 
-def _scalar(arg) -> bool:
-    return isinstance(arg, (int, float)) and not isinstance(arg, bool)
-
-
 def _constant(eps) -> float:
     """eps as a Python float. Under dynamic=True Dynamo passes float attributes as symbolic floats:
     those are specialized here with a guard, so a model whose eps changes recompiles. (Dynamo then
     restarts that first compilation once, with the floats constant.)"""
-    if _scalar(eps):
+    if is_scalar(eps):
         return float(eps)
     if isinstance(eps, Node) and isinstance(value(eps), (torch.SymFloat, torch.SymInt)):
         return float(guard_float(value(eps)))
@@ -62,10 +53,6 @@ def _last_dim(dim, ndim) -> bool:
     if isinstance(dim, (list, tuple)):
         return len(dim) == 1 and _last_dim(dim[0], ndim)
     return dim in (-1, ndim - 1)
-
-
-def _same_shape(a, b) -> bool:
-    return len(a.shape) == len(b.shape) and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
 def _match_core(rsqrt: Node):
@@ -108,10 +95,10 @@ def _weight_operand(other: Node, n_cols):
     if is_call(other, torch.add) and len(other.args) == 2 and not other.kwargs:
         a, b = other.args
         tensor, const = (a, b) if isinstance(a, Node) else (b, a)
-        if not _scalar(const) or not is_tensor(tensor):
+        if not is_scalar(const) or not is_tensor(tensor):
             return None
         other, offset = tensor, float(const)
-    if is_cast(other) and value(other.args[0]).dtype in _SUPPORTED_DTYPES:
+    if is_cast(other) and value(other.args[0]).dtype in FUSABLE_DTYPES:
         other = other.args[0]
     v = value(other) if is_tensor(other) else None
     if v is None or v.dim() != 1 or not statically_known_true(v.shape[0] == n_cols):
@@ -122,7 +109,7 @@ def _weight_operand(other: Node, n_cols):
 def _extend(normed: Node, n_cols, nodes):
     """Absorb what follows the normalization: casts and one multiply by a weight vector."""
     end, weight, offset = normed, None, 0.0
-    while (user := _only_user(end)) is not None:
+    while (user := only_user(end)) is not None:
         if is_cast(user):
             end = user
         elif weight is None and is_call(user, torch.mul) and isinstance(_other_operand(user, end), Node):
@@ -156,9 +143,9 @@ def _match_functional(node: Node):
 
 def _check_types(x: Node, weight, end: Node):
     for name, n in (("input", x), ("weight", weight), ("output", end)):
-        if n is not None and value(n).dtype not in _SUPPORTED_DTYPES:
+        if n is not None and value(n).dtype not in FUSABLE_DTYPES:
             raise Miss(f"{name} dtype {value(n).dtype} is not float32, bfloat16 or float16")
-    if not _same_shape(value(x), value(end)):
+    if not same_shape(value(x), value(end)):
         raise Miss("the output shape differs from the input's (a broadcasting weight)")
 
 

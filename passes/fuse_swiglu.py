@@ -10,11 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from graphopt.passes.normalize import is_call, is_tensor, value
+from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, same_shape, value
 from graphopt.report import record_for
 
 PATTERNS = {"silu": "swiglu", "gelu_tanh": "geglu"}
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Miss(Exception):
@@ -46,10 +45,9 @@ def _match(act: Node):
     if not (is_tensor(up) and is_tensor(gate)):
         raise Miss("the activation is multiplied by a constant, not an up projection")
     g, u = value(gate), value(up)
-    if g.dtype != u.dtype or g.dtype not in _SUPPORTED_DTYPES or value(mul).dtype != g.dtype:
+    if g.dtype != u.dtype or g.dtype not in FUSABLE_DTYPES or value(mul).dtype != g.dtype:
         raise Miss(f"gate {g.dtype} and up {u.dtype} are not one float32/bfloat16/float16 dtype")
-    if len(g.shape) != len(u.shape) or not all(
-            torch.fx.experimental.symbolic_shapes.statically_known_true(a == b) for a, b in zip(g.shape, u.shape)):
+    if not same_shape(g, u):
         raise Miss("gate and up shapes differ (a broadcasting product)")
     return gate, up, activation, mul
 

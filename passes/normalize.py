@@ -15,28 +15,12 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from graphopt.passes.match import is_call, is_cast, is_tensor, value
+
 _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 _FUNCTION_METHODS = ("add", "sub", "mul", "div", "pow", "mean", "sum", "rsqrt", "sqrt", "square", "reciprocal", "neg")
 _OPERATORS = {operator.add: torch.add, operator.sub: torch.sub, operator.mul: torch.mul,
               operator.truediv: torch.div, operator.pow: torch.pow, operator.neg: torch.neg}
-
-
-def value(node):
-    """The traced value of a node (a FakeTensor for tensors), or the constant itself."""
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, Node) else node
-
-
-def is_tensor(node) -> bool:
-    return isinstance(value(node), torch.Tensor)
-
-
-def is_cast(node) -> bool:
-    return (isinstance(node, Node) and node.op == "call_method" and node.target == "to" and len(node.args) == 2
-            and not node.kwargs and isinstance(node.args[1], torch.dtype))
-
-
-def is_call(node, *targets) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
 
 def _replace(node: Node, op: str, target, args, kwargs=None) -> Node:

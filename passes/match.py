@@ -1,0 +1,41 @@
+"""What every pass asks of an FX node: its traced value, what it calls, who uses it. No rewriting here."""
+
+import torch
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+# The dtypes graphopt's fused ops compute (fp32 math inside, one rounding to these).
+FUSABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def value(node):
+    """The traced value of a node (a FakeTensor for tensors), or the constant itself."""
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, Node) else node
+
+
+def is_tensor(node) -> bool:
+    return isinstance(value(node), torch.Tensor)
+
+
+def is_cast(node) -> bool:
+    return (isinstance(node, Node) and node.op == "call_method" and node.target == "to" and len(node.args) == 2
+            and not node.kwargs and isinstance(node.args[1], torch.dtype))
+
+
+def is_call(node, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def only_user(node: Node):
+    """The single user of node, or None when it has none or several."""
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def is_scalar(arg) -> bool:
+    """A Python int or float constant (bool excluded)."""
+    return isinstance(arg, (int, float)) and not isinstance(arg, bool)
+
+
+def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Shapes provably equal, symbolic sizes included, without adding a guard."""
+    return len(a.shape) == len(b.shape) and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
