@@ -5,6 +5,7 @@
 #   benchmarks/run_train_step.sh                                   all variants, default shape (1b, batch 4, seq 2048)
 #   benchmarks/run_train_step.sh eager inductor -- --steps 20      some variants; arguments after -- go to train_step.py
 #   benchmarks/run_train_step.sh --shape tiny --device cpu         all variants; every argument goes to train_step.py
+#   benchmarks/run_train_step.sh inductor 'graphopt={"fusions": {"lora": true}}'   graphopt with options (JSON)
 #
 # Output: $OUT if set, else benchmarks/results: train_step-<time>.jsonl and one log per variant.
 # A variant that fails is recorded in the JSON file and the table, the others still run, and the script exits 1.
@@ -34,10 +35,17 @@ stamp="$(date -u +%Y%m%d-%H%M%S)"
 results="$outdir/train_step-$stamp.jsonl"
 failures=0
 
-for variant in "${variants[@]}"; do
-    log="$outdir/train_step-$stamp-$variant.log"
-    echo "=== $variant: $python benchmarks/train_step.py --variant $variant --json $results $*"
-    "$python" benchmarks/train_step.py --variant "$variant" --json "$results" "$@" 2>&1 | tee "$log"
+run=0
+for spec in "${variants[@]}"; do
+    variant="${spec%%=*}"
+    options="{}"
+    if [ "$spec" != "$variant" ]; then
+        options="${spec#*=}"
+    fi
+    run=$((run + 1))
+    log="$outdir/train_step-$stamp-$run-$variant.log"
+    echo "=== $variant $options: $python benchmarks/train_step.py --variant $variant --options '$options' --json $results $*"
+    "$python" benchmarks/train_step.py --variant "$variant" --options "$options" --json "$results" "$@" 2>&1 | tee "$log"
     status=${PIPESTATUS[0]}
     if [ "$status" -ne 0 ]; then
         echo "=== $variant FAILED with exit code $status (log: $log)"

@@ -173,7 +173,7 @@ def prepare(args, device, dtype):
     if args.variant == "graphopt":
         import graphopt  # noqa: F401  (for graphopt.last_report(); the backend itself comes by entry point)
 
-        return model, torch.compile(model, backend="graphopt"), None
+        return model, torch.compile(model, backend="graphopt", options=json.loads(args.options)), None
     return model, model, None
 
 
@@ -228,6 +228,7 @@ def run(args):
 
     result = {
         "variant": args.variant,
+        "options": args.options if args.variant == "graphopt" else None,
         "shape": args.shape,
         "batch": args.batch,
         "seq": args.seq,
@@ -260,7 +261,7 @@ def run(args):
 def describe(r):
     memory = "n/a" if r["peak_alloc_gib"] is None else \
         f"{r['peak_alloc_gib']:.2f} GiB (reserved {r['peak_reserved_gib']:.2f} GiB)"
-    return (f"{r['variant']}: {r['shape']} batch {r['batch']} seq {r['seq']} {r['dtype']} on {r['device_name']}: "
+    return (f"{r['variant']} {r['options'] or ''}: {r['shape']} batch {r['batch']} seq {r['seq']} {r['dtype']} on {r['device_name']}: "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, peak {memory}, "
             f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}")
 
@@ -291,7 +292,8 @@ def print_table(path):
         print("| variant | tokens/s | step ms | peak alloc GiB | ×inductor tokens/s | ×inductor memory | loss |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in group:
-            print(f"| {r['variant']} | {_number(r['tokens_per_s'], 0)} | {_number(r['step_ms'], 1)} "
+            label = r["variant"] + (f" {r['options']}" if r.get("options") not in (None, "{}") else "")
+            print(f"| {label} | {_number(r['tokens_per_s'], 0)} | {_number(r['step_ms'], 1)} "
                   f"| {_number(r['peak_alloc_gib'], 2)} "
                   f"| {_ratio(r['tokens_per_s'], base and base['tokens_per_s'])} "
                   f"| {_ratio(r['peak_alloc_gib'], base and base['peak_alloc_gib'])} "
@@ -315,6 +317,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line of results to PATH")
+    parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"keep_logits\": true}'")
     parser.add_argument("--table", metavar="PATH", help="print the markdown table of a results file and exit")
     args = parser.parse_args(argv)
     if args.table is None and args.variant is None:

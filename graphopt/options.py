@@ -17,17 +17,18 @@ class Options:
     target: str = "auto"
     fusions: frozenset = frozenset()  # names of the enabled fusions
     report: Optional[Path] = None
+    keep_logits: bool = False  # materialize the logits even when the loss is fused (training with labels)
 
 
 def _describe_valid(fusion_names) -> str:
     return (f"valid options: target={'|'.join(TARGETS)}; "
             f"fusions={{name: bool}} or a list of names to enable, names: {', '.join(fusion_names)}; "
-            f"report=path ending in {', '.join(REPORT_SUFFIXES)}")
+            f"report=path ending in {', '.join(REPORT_SUFFIXES)}; keep_logits=True|False")
 
 
 def parse_options(raw: dict, fusion_names, off_by_default=frozenset()) -> Options:
     fusion_names = tuple(fusion_names)
-    unknown = sorted(set(raw) - {"target", "fusions", "report"})
+    unknown = sorted(set(raw) - {"target", "fusions", "report", "keep_logits"})
     if unknown:
         raise OptionError(f"unknown graphopt option(s) {unknown}; {_describe_valid(fusion_names)}")
 
@@ -56,7 +57,10 @@ def parse_options(raw: dict, fusion_names, off_by_default=frozenset()) -> Option
         report = Path(report)
         if report.suffix not in REPORT_SUFFIXES:
             raise OptionError(f"report={str(report)!r}: the path must end in {', '.join(REPORT_SUFFIXES)}")
-    return Options(target=target, fusions=frozenset(enabled), report=report)
+    keep_logits = raw.get("keep_logits", False)
+    if not isinstance(keep_logits, bool):
+        raise OptionError(f"keep_logits must be True or False, got {keep_logits!r}")
+    return Options(target=target, fusions=frozenset(enabled), report=report, keep_logits=keep_logits)
 
 
 def _check_names(names, fusion_names):

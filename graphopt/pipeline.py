@@ -3,10 +3,12 @@
   1. capture    Dynamo hands over an FX graph of torch-level calls (before autograd)
   2. normalize  one spelling per op                                   passes/normalize.py
   3. fuse       subgraphs → graphopt:: ops, or a miss with a reason   passes/fuse_*.py, in passes/registry.py order
+                then the logits policy: a fused loss's logits are not computed unless keep_logits   passes/drop_logits.py
   4. autograd   aot_autograd traces forward + backward; each graphopt op brings its own backward op
   5. partition  what the backward saves: Inductor's min-cut
   6. lower      each graphopt op → the target's implementation; the rest → Inductor (or eager)   lowering/
   7. report     everything the stages recorded                        graphopt/report.py
+  8. hand back  outputs not computed become LogitsNotMaterialized      graphopt/logits.py
 """
 
 from torch._dynamo.backends.common import aot_autograd
@@ -16,8 +18,10 @@ from torch._inductor.compile_fx import compile_fx
 from torch._inductor.decomposition import select_decomp_table
 
 from graphopt.devices import resolve_target
+from graphopt.logits import hand_back
 from graphopt.lowering import registry as lowering_registry
 from graphopt.options import Options
+from graphopt.passes.drop_logits import drop_logits
 from graphopt.passes.normalize import normalize
 from graphopt.passes.registry import FUSIONS
 from graphopt.report import Report, publish, reports
@@ -35,6 +39,7 @@ def compile_graph(gm, example_inputs, options: Options):
     for name, fuse in FUSIONS.items():
         if name in options.fusions:
             fuse(gm, report)
+    dropped = [] if options.keep_logits else drop_logits(gm, report)
 
     # 4–6. autograd → partition → lower. The target's lowering says how each graphopt op will run.
     lowering = lowering_registry.lowering_for(report.target)
@@ -42,7 +47,9 @@ def compile_graph(gm, example_inputs, options: Options):
 
     # 7. report: published before Inductor compiles, so a compile error can be read against it
     publish(report, options.report)
-    return _autograd_partition_lower(gm, example_inputs, lowering)
+
+    # 8. hand back
+    return hand_back(_autograd_partition_lower(gm, example_inputs, lowering), dropped)
 
 
 def _autograd_partition_lower(gm, example_inputs, lowering):

@@ -46,6 +46,7 @@ class Report:
     fusions: list = field(default_factory=list)
     misses: list = field(default_factory=list)
     lowering: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # plain sentences: policies applied (e.g. logits not materialized)
 
     def to_json(self) -> dict:
         return {
@@ -56,6 +57,7 @@ class Report:
             "fusions": [asdict(r) for r in self.fusions],
             "misses": [asdict(r) for r in self.misses],
             "lowering": [asdict(r) for r in self.lowering],
+            "notes": list(self.notes),
         }
 
     def summary(self) -> dict:
@@ -69,13 +71,16 @@ class Report:
         lines = [f"graphopt report — graph {self.graph}, target {self.target}, {self.nodes_captured} nodes captured"]
         counts = ", ".join(f"{k} ×{v}" for k, v in self.summary().items()) or "none"
         lines.append(f"fusions ({len(self.fusions)}): {counts}")
-        lines += [f"  {r.pattern:<10} {r.module:<48} {_type_text(r)}  {r.source}" for r in self.fusions]
+        lines += [f"  {r.pattern:<20} {r.module:<48} {_type_text(r)}  {r.source}" for r in self.fusions]
         lines.append(f"misses ({len(self.misses)})")
-        lines += [f"  {r.pattern:<10} {r.module:<48} {_type_text(r)}  {r.source}\n"
-                  f"  {'':<10} why: {r.reason}" for r in self.misses]
+        lines += [f"  {r.pattern:<20} {r.module:<48} {_type_text(r)}  {r.source}\n"
+                  f"  {'':<20} why: {r.reason}" for r in self.misses]
         lines.append("lowering")
         lines += [f"  {r.op} ×{r.count} → {r.implementation}" + (f"  ({r.note})" if r.note else "")
                   for r in self.lowering]
+        if self.notes:
+            lines.append("notes")
+            lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
 
     def to_html(self) -> str:
@@ -99,7 +104,8 @@ class Report:
             f"<p>{self.nodes_captured} nodes captured</p>"
             + table("Fusions", self.fusions, False) + table("Misses", self.misses, True)
             + "<h2>Lowering</h2><table><tr><th>op</th><th>count</th><th>implementation</th><th>note</th></tr>"
-            + lowering + "</table></body></html>"
+            + lowering + "</table>"
+            + "".join(f"<p>{html.escape(note)}</p>" for note in self.notes) + "</body></html>"
         )
 
     def write(self, path) -> None:
@@ -137,12 +143,16 @@ def module_path(node: torch.fx.Node) -> str:
     return path.strip(".") or "<root>"
 
 
+def module_classes(node: torch.fx.Node) -> list:
+    """Class names of the modules the node was traced in, outermost first."""
+    return [cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
+            for _, cls in (node.meta.get("nn_module_stack") or {}).values()]
+
+
 def module_class(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    cls = list(stack.values())[-1][1]
-    return cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
+    """The innermost module's class name ("" outside any module)."""
+    classes = module_classes(node)
+    return classes[-1] if classes else ""
 
 
 def source_location(node: torch.fx.Node) -> str:

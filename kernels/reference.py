@@ -64,6 +64,33 @@ def gated_activation_backward(grad_out, gate, up, activation):
     return (dh * u * dact).to(gate.dtype), (dh * act).to(up.dtype)
 
 
+# RoPE (HF's rotate_half form): on the first R = cos.shape[-1] channels of each head, with x = (x1, x2) its two
+# halves, y = x·cos + rotate_half(x)·sin = (x1·c1 − x2·s1, x2·c2 + x1·s2); channels R..D pass through (Phi-3's
+# partial rotary). q [B, Hq, S, D] and k [B, Hk, S, D] share cos/sin [B or 1, S, R] (HF's cos before its
+# unsqueeze(1) over heads). cos/sin get no gradient.
+
+def _rotate(x, cos, sin):
+    dtype = torch.promote_types(_compute_dtype(x), cos.dtype)
+    rot, half = cos.shape[-1], cos.shape[-1] // 2
+    xf, c, s = x.to(dtype), cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+    x1, x2 = xf[..., :half], xf[..., half:rot]
+    y1 = x1 * c[..., :half] - x2 * s[..., :half]
+    y2 = x2 * c[..., half:] + x1 * s[..., half:]
+    return torch.cat([y1, y2, xf[..., rot:]], dim=-1).to(x.dtype)
+
+
+def rope(q, k, cos, sin):
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def rope_backward(grad_q, grad_k, cos, sin):
+    """The transposed rotation: dx1 = g1·c1 + g2·s2, dx2 = g2·c2 − g1·s1, i.e. the forward with sin replaced by
+    −(its halves swapped). (Only when sin's halves are equal, as HF's are, is this "sin negated".)"""
+    half = sin.shape[-1] // 2
+    sin_t = -torch.cat([sin[..., half:], sin[..., :half]], dim=-1)
+    return _rotate(grad_q, cos, sin_t), _rotate(grad_k, cos, sin_t)
+
+
 # LoRA linear (PEFT): out = (x·Wᵀ + b + ((x as adapter dtype)·Aᵀ)·Bᵀ · scaling) as out_dtype, the same operations
 # in the same dtypes as PEFT's eager forward. Only A and B train; the base weight and bias are frozen.
 
@@ -86,3 +113,57 @@ def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling):
     grad_x_lora = (grad_xa @ lora_a).to(x.dtype).reshape(x.shape)
     grad_x = (grad.to(base_dtype) @ weight).to(x.dtype) + grad_x_lora
     return grad_x, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype)
+
+
+# Linear + cross-entropy (lm_head → loss), in row chunks so the [tokens × vocab] logits never exist at once:
+#   logits = hidden·Wᵀ (+ b) in hidden's dtype, as HF's lm_head; z = logits in fp32; with softcap c > 0,
+#   z = c·tanh(z / c) (Gemma-2); loss_i = logsumexp(z_i) − z_i[target_i], rows with target = ignore_index add 0;
+#   "sum" → Σ loss_i, "mean" → Σ loss_i / #valid rows (NaN when no row is valid, as F.cross_entropy).
+# When asked, the gradients of that loss w.r.t. hidden and weight are produced in the same pass over each chunk
+# (the logits of a chunk are needed for both), scaled by 1/#valid for "mean", with no gradient (exact zeros) for
+# ignored rows; the backward then only multiplies them by the incoming gradient.
+
+def linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, softcap, chunk_rows,
+                         grad_hidden, grad_weight):
+    """(loss, d loss/d hidden or an empty tensor, d loss/d weight or an empty tensor); hidden [N, H], target [N]."""
+    dtype = _compute_dtype(hidden)
+    valid = target != ignore_index
+    count = valid.sum()
+    # Gradient scale per row: "mean" divides by the valid count; none at all when no row is valid.
+    scale = 1 / count.clamp_min(1).to(dtype) if reduction == "mean" else torch.ones((), dtype=dtype)
+    loss = torch.zeros((), dtype=dtype, device=hidden.device)
+    d_hidden = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
+    d_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if grad_weight else weight.new_empty(0)
+    for start in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        h, t, keep = hidden[rows], target[rows], valid[rows]
+        z = torch.nn.functional.linear(h, weight, bias).to(dtype)
+        if softcap > 0:
+            capped = torch.tanh(z / softcap)
+            z = capped * softcap
+        lse = torch.logsumexp(z, dim=-1)
+        safe_t = torch.where(keep, t, 0).unsqueeze(1)
+        loss = loss + torch.where(keep, lse - z.gather(1, safe_t).squeeze(1), 0).sum()
+        if not (grad_hidden or grad_weight):
+            continue
+        dz = torch.exp(z - lse.unsqueeze(1))
+        dz.scatter_add_(1, safe_t, torch.full_like(safe_t, -1, dtype=dtype))
+        dz *= (keep.to(dtype) * scale).unsqueeze(1)
+        if softcap > 0:
+            dz *= 1 - capped * capped
+        dz = dz.to(hidden.dtype)  # as eager's backward of logits.float()
+        if grad_hidden:
+            d_hidden[rows] = dz @ weight
+        if grad_weight:
+            d_weight += (dz.t() @ h).to(dtype)
+    loss = loss / count if reduction == "mean" else loss
+    return loss, d_hidden, d_weight.to(weight.dtype) if grad_weight else d_weight
+
+
+def linear_cross_entropy_backward(grad_loss, d_hidden, d_weight):
+    """The forward's gradients times the incoming one; ignored rows stay exact zeros even when it is inf or NaN
+    (HF's num_items_in_batch = 0), as in eager, where those rows never see it."""
+    def scaled(d):
+        return torch.where(d == 0, 0, d * grad_loss).to(d.dtype)
+
+    return scaled(d_hidden), scaled(d_weight)

@@ -1,5 +1,6 @@
 """CPU target: graphopt ops decompose into aten below autograd, so Inductor's C++ backend fuses them into
-its generated code while each op's hand-written backward formula stays; lora_linear stays opaque (below)."""
+its generated code while each op's hand-written backward formula stays; lora_linear and linear_cross_entropy
+stay opaque (below)."""
 
 import torch
 
@@ -10,13 +11,20 @@ from graphopt.kernels import reference
 # copy of x again, the memory the op exists to avoid; opaque, the backward saves x in its own dtype.
 LORA_OPAQUE = "kernels/reference.py matmuls as one op (saves x in its own dtype, not an fp32 copy)"
 
+# linear_cross_entropy stays one opaque op everywhere: its chunk loop is what keeps the logits from existing whole.
+LINEAR_CE_OPAQUE = ("kernels/reference.py, one chunk of rows at a time: lm_head matmul, fp32 log-softmax and its "
+                    "gradient; the [tokens × vocab] logits never exist at once")
+
 DECOMPOSITIONS = {
     torch.ops.graphopt.rms_norm.default: reference.rms_norm,
     torch.ops.graphopt.rms_norm_backward.default: reference.rms_norm_backward,
     torch.ops.graphopt.gated_activation.default: reference.gated_activation,
     torch.ops.graphopt.gated_activation_backward.default: reference.gated_activation_backward,
+    torch.ops.graphopt.rope.default: reference.rope,
+    torch.ops.graphopt.rope_backward.default: reference.rope_backward,
+    torch.ops.graphopt.linear_cross_entropy_backward.default: reference.linear_cross_entropy_backward,
 }
 _DECOMPOSED = "aten decomposition of kernels/reference.py, compiled by Inductor (C++)"
 IMPLEMENTATIONS = {op: _DECOMPOSED for op in DECOMPOSITIONS} | {
     op: LORA_OPAQUE for op in (torch.ops.graphopt.lora_linear.default, torch.ops.graphopt.lora_linear_backward.default)
-}
+} | {torch.ops.graphopt.linear_cross_entropy.default: LINEAR_CE_OPAQUE}

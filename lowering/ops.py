@@ -127,6 +127,73 @@ def _gated_grad(ctx, grad_out):
 gated_activation.register_autograd(_gated_grad, setup_context=_gated_setup_context)
 
 
+# --- rope (rotary position embedding of q and k, HF's rotate_half form) ------------------------------------
+
+@torch.library.custom_op("graphopt::rope", mutates_args=())
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(q, k) rotated on their first R = cos.shape[-1] channels, the rest passed through, fp32 math; q [B, Hq, S, D],
+    k [B, Hk, S, D], cos/sin [B or 1, S, R] (before HF's unsqueeze over heads). Contiguous outputs in q's and k's
+    dtypes, whatever the inputs' strides."""
+    check_rope(q, k, cos, sin)
+    q_out, k_out = reference.rope(q, k, cos, sin)
+    return q_out.contiguous(), k_out.contiguous()
+
+
+@rope.register_fake
+def _rope_fake(q, k, cos, sin):
+    check_rope(q, k, cos, sin)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+@torch.library.custom_op("graphopt::rope_backward", mutates_args=())
+def rope_backward(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """(grad_q, grad_k) through the transposed rotation; nothing but cos and sin is saved for it."""
+    check_rope(grad_q, grad_k, cos, sin)
+    grad_q, grad_k = reference.rope_backward(grad_q, grad_k, cos, sin)
+    return grad_q.contiguous(), grad_k.contiguous()
+
+
+@rope_backward.register_fake
+def _rope_backward_fake(grad_q, grad_k, cos, sin):
+    check_rope(grad_q, grad_k, cos, sin)
+    return grad_q.new_empty(grad_q.shape), grad_k.new_empty(grad_k.shape)
+
+
+def check_rope(q, k, cos, sin):
+    """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
+    torch._check(q.dim() == 4 and k.dim() == 4,
+                 lambda: f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} must be [batch, heads, seq, head_dim]")
+    torch._check(q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and q.shape[3] == k.shape[3],
+                 lambda: f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, seq or head_dim")
+    torch._check(cos.dim() == 3 and cos.shape == sin.shape and cos.dtype == sin.dtype,
+                 lambda: f"rope: cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} must be "
+                         "[batch or 1, seq, rotary_dim] of one dtype")
+    torch._check((cos.shape[0] == 1 or cos.shape[0] == q.shape[0]) and cos.shape[1] == q.shape[2],
+                 lambda: f"rope: cos/sin {tuple(cos.shape)} do not broadcast over q {tuple(q.shape)}: "
+                         "[batch or 1, seq, rotary_dim] expected")
+    torch._check(cos.shape[2] % 2 == 0 and 0 < cos.shape[2] <= q.shape[3],
+                 lambda: f"rope: rotary_dim {cos.shape[2]} must be even and within head_dim {q.shape[3]}")
+    for name, t in (("q", q), ("k", k), ("cos", cos)):
+        torch._check(t.dtype.is_floating_point, lambda: f"rope: {name} has dtype {t.dtype}, not a float dtype")
+
+
+def _rope_setup_context(ctx, inputs, output):
+    _, _, cos, sin = inputs
+    ctx.save_for_backward(cos, sin)
+
+
+def _rope_grad(ctx, grad_q, grad_k):
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        raise RuntimeError("graphopt::rope computes no gradient for cos or sin: they must not require grad (HF's are "
+                           "computed from a buffer); the fusion pass never fuses otherwise")
+    cos, sin = ctx.saved_tensors
+    grad_q, grad_k = torch.ops.graphopt.rope_backward(grad_q, grad_k, cos, sin)
+    return grad_q, grad_k, None, None
+
+
+rope.register_autograd(_rope_grad, setup_context=_rope_setup_context)
+
+
 # --- lora_linear (PEFT LoRA Linear) -----------------------------------------------------------------------
 
 @torch.library.custom_op("graphopt::lora_linear", mutates_args=())
@@ -186,10 +253,87 @@ def _lora_grad(ctx, grad_out):
 lora_linear.register_autograd(_lora_grad, setup_context=_lora_setup_context)
 
 
+# --- linear_cross_entropy (lm_head + loss, logits never materialized) --------------------------------------
+
+@torch.library.custom_op("graphopt::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ignore_index: int,
+                         reduction: str, softcap: float, chunk_rows: int, grad_hidden: bool,
+                         grad_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, d loss/d hidden, d loss/d weight) of cross_entropy(hidden·Wᵀ + b, target), computed chunk_rows rows
+    at a time; a gradient not asked for is an empty tensor. kernels/reference.py states the exact semantics."""
+    check_linear_cross_entropy(hidden, weight, bias, target, reduction, chunk_rows)
+    loss, d_hidden, d_weight = reference.linear_cross_entropy(
+        hidden, weight, bias, target, ignore_index, reduction, softcap, chunk_rows, grad_hidden, grad_weight)
+    return loss, d_hidden.contiguous(), d_weight.contiguous()
+
+
+@linear_cross_entropy.register_fake
+def _linear_cross_entropy_fake(hidden, weight, bias, target, ignore_index, reduction, softcap, chunk_rows,
+                               grad_hidden, grad_weight):
+    check_linear_cross_entropy(hidden, weight, bias, target, reduction, chunk_rows)
+    loss = hidden.new_empty((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    return (loss, hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if grad_weight else weight.new_empty(0))
+
+
+@torch.library.custom_op("graphopt::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(grad_loss: Tensor, d_hidden: Tensor, d_weight: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward's gradients scaled by the incoming one (ignored rows stay zero)."""
+    d_hidden, d_weight = reference.linear_cross_entropy_backward(grad_loss, d_hidden, d_weight)
+    return d_hidden.contiguous(), d_weight.contiguous()
+
+
+@linear_cross_entropy_backward.register_fake
+def _linear_cross_entropy_backward_fake(grad_loss, d_hidden, d_weight):
+    return d_hidden.new_empty(d_hidden.shape), d_weight.new_empty(d_weight.shape)
+
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def check_linear_cross_entropy(hidden, weight, bias, target, reduction, chunk_rows):
+    """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
+    torch._check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
+                 lambda: f"linear_cross_entropy: hidden {tuple(hidden.shape)} must be [tokens, hidden] rows of "
+                         f"the weight's width {tuple(weight.shape)}")
+    torch._check(hidden.dtype == weight.dtype, lambda: f"linear_cross_entropy: hidden {hidden.dtype} and weight "
+                                                       f"{weight.dtype} must have one dtype, as F.linear needs")
+    torch._check(bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
+                 lambda: "linear_cross_entropy: bias must be [vocab]")
+    torch._check(target.dim() == 1 and target.shape[0] == hidden.shape[0] and target.dtype == torch.long,
+                 lambda: f"linear_cross_entropy: target {tuple(target.shape)} {target.dtype} must be int64, one "
+                         f"label per row of hidden {tuple(hidden.shape)}")
+    torch._check(reduction in LOSS_REDUCTIONS,
+                 lambda: f"linear_cross_entropy: reduction {reduction!r} is not one of {LOSS_REDUCTIONS}")
+    torch._check(chunk_rows > 0, lambda: f"linear_cross_entropy: chunk_rows={chunk_rows} must be positive")
+
+
+def _linear_ce_setup_context(ctx, inputs, output):
+    _, d_hidden, d_weight = output
+    ctx.mark_non_differentiable(d_hidden, d_weight)
+    ctx.save_for_backward(d_hidden, d_weight)
+    ctx.computed = inputs[-2:]  # (grad_hidden, grad_weight)
+
+
+def _linear_ce_grad(ctx, grad_loss, _d_hidden, _d_weight):
+    wanted = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    if any(need and not computed for need, computed in zip(wanted, ctx.computed)) or ctx.needs_input_grad[2]:
+        raise RuntimeError("graphopt::linear_cross_entropy was built without the gradient now asked for (the fusion "
+                           "pass decides from requires_grad at compile time; the bias never trains): recompile "
+                           "after changing which of hidden states, lm_head weight or bias require grad")
+    d_hidden, d_weight = torch.ops.graphopt.linear_cross_entropy_backward(grad_loss, *ctx.saved_tensors)
+    return (d_hidden if wanted[0] else None, d_weight if wanted[1] else None) + (None,) * 8
+
+
+linear_cross_entropy.register_autograd(_linear_ce_grad, setup_context=_linear_ce_setup_context)
+
+
 # Forward op → its backward op, for the report and the lowerings.
 BACKWARD_OF = {
     torch.ops.graphopt.rms_norm.default: torch.ops.graphopt.rms_norm_backward.default,
     torch.ops.graphopt.gated_activation.default: torch.ops.graphopt.gated_activation_backward.default,
+    torch.ops.graphopt.rope.default: torch.ops.graphopt.rope_backward.default,
     torch.ops.graphopt.lora_linear.default: torch.ops.graphopt.lora_linear_backward.default,
+    torch.ops.graphopt.linear_cross_entropy.default: torch.ops.graphopt.linear_cross_entropy_backward.default,
 }
 ALL_OPS = [op for pair in BACKWARD_OF.items() for op in pair]

@@ -4,19 +4,40 @@ Matches (after passes/normalize.py) what PEFT's lora.Linear.forward records:
   base = linear(x, W[, bias]);  xa = linear(x[.to(adapter dtype)], A);  out = base + linear(xa, B) * scaling
   [→ .to(result dtype)]
 with identity dropout, one active adapter, a frozen plain-linear base. Every linear traced inside a `lora_B`
-module is a candidate; one that does not match in full (dropout > 0, several active adapters, DoRA, a quantized
-or trainable base, a lora_B bias) stays unfused with a miss record.
+module is a candidate; one that does not match in full (dropout > 0, several active adapters, a quantized or
+trainable base, a lora_B bias) stays unfused with a miss record.
+
+DoRA (use_dora=True) is never fused; it gets one miss per DoRA adapter the graph shows, never two. Dynamo hands
+it over in one of two forms:
+  * inside the model's graph (when Dynamo can trace PEFT's DoRA code): per adapted layer, two lora_B linears in
+    a DoraLinearLayer: lora_B(lora_A(torch.eye)), DoRA's B·A product for its weight norm, and lora_B(lora_A(x)),
+    its activation path. One miss, at the activation path, under the adapted layer's module path.
+  * apart from the model (PEFT 0.21 with torch 2.13): peft's dequantize_module_weight breaks the graph inside the
+    adapter loop of lora.Linear.forward, so Dynamo skips that frame (the base linear, and any other active
+    adapter of the layer, run eagerly, in no graph) and compiles only DoraLinearLayer.forward, split at the
+    break: the weight product in one graph, the activation path in the next, under the frame's own `lora_B`
+    argument (`L['lora_B']`), with nothing that names the layer. Dynamo reuses these graphs for every DoRA layer
+    whose shapes fit (after a recompile, any shapes), so the backend sees fewer graphs than DoRA layers: one miss
+    per activation graph, named `<DoRA layer>`, whose reason says it stands for every layer that graph runs.
 """
+
+import re
 
 import torch
 from torch.fx import GraphModule, Node
 
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, value
-from graphopt.report import module_path, record_for
+from graphopt.report import module_classes, module_path, record_for
 
 PATTERN = "lora"
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _DROPOUT = (torch.nn.functional.dropout, torch.dropout)
+_DORA_SOURCE = re.compile(r'File "[^"]*[/\\]peft[/\\]tuners[/\\]lora[/\\]dora\.py"')
+DORA_REASON = ("DoRA (use_dora=True) is computed unfused: graphopt::lora_linear has no DoRA magnitude / "
+               "weight-norm scaling")
+DORA_APART = ("; Dynamo compiled PEFT's DoRA forward as a graph of its own (a graph break inside PEFT), which does "
+              "not name the layer and is reused for other DoRA layers: this record stands for every DoRA layer "
+              "this graph runs")
 
 
 class Miss(Exception):
@@ -29,8 +50,39 @@ def _linear_args(node: Node):
 
 
 def _is_lora_b(node: Node) -> bool:
+    """A linear traced in a `…lora_B.<adapter>` module of the compiled model."""
     parts = module_path(node).split(".")
     return is_call(node, *_LINEAR) and len(parts) >= 2 and parts[-2] == "lora_B"
+
+
+def _is_frame_lora_b(node: Node) -> bool:
+    """A linear traced in the compiled frame's own `lora_B` argument (PEFT's DoRA forward compiled apart)."""
+    stack = node.meta.get("nn_module_stack")
+    return is_call(node, *_LINEAR) and bool(stack) and list(stack.values())[-1][0] == "L['lora_B']"
+
+
+def _in_dora(node: Node) -> bool:
+    """Traced in PEFT's DoRA code: inside a Dora*Layer module, or with PEFT's dora.py on the traced stack."""
+    return (any(name.startswith("Dora") for name in module_classes(node))
+            or bool(_DORA_SOURCE.search(node.meta.get("stack_trace") or "")))
+
+
+def _is_dora_weight_product(lora_b: Node) -> bool:
+    """lora_B(lora_A(torch.eye(...))): DoRA's B·A product for its weight norm, not the layer's activation path."""
+    a_out = lora_b.args[0] if lora_b.args else None
+    return is_call(a_out, *_LINEAR) and bool(a_out.args) and is_call(a_out.args[0], torch.eye)
+
+
+def _dora_miss(lora_b: Node, in_model: bool):
+    record = record_for(lora_b, PATTERN, DORA_REASON)
+    if in_model:  # …<layer>.lora_B.<adapter>: the record names the adapted layer and the adapter
+        *layer, _, adapter = record.module.split(".")
+        record.module = ".".join(layer) or "<root>"
+        record.reason = f"{DORA_REASON} (adapter '{adapter}')"
+    else:
+        record.module = "<DoRA layer>"
+        record.reason = DORA_REASON + DORA_APART
+    return record
 
 
 def _match(lora_b: Node):
@@ -79,7 +131,16 @@ def _match(lora_b: Node):
 def fuse_lora(gm: GraphModule, report) -> int:
     """Replace each matched LoRA linear with one graphopt::lora_linear node; record fusions and misses."""
     fused = 0
-    for lora_b in [n for n in gm.graph.nodes if _is_lora_b(n)]:
+    dora_recorded = set()
+    for lora_b in [n for n in gm.graph.nodes if _is_lora_b(n) or _is_frame_lora_b(n)]:
+        in_model = _is_lora_b(lora_b)
+        if _in_dora(lora_b):
+            if not _is_dora_weight_product(lora_b) and module_path(lora_b) not in dora_recorded:
+                dora_recorded.add(module_path(lora_b))
+                report.misses.append(_dora_miss(lora_b, in_model))
+            continue
+        if not in_model:
+            continue  # a frame's own lora_B outside DoRA: not a candidate (as before)
         try:
             args, end, nodes = _match(lora_b)
         except Miss as miss:

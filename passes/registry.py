@@ -1,13 +1,17 @@
 """The fusion passes, in the order the pipeline runs them: name → pass(gm, report) → number fused."""
 
+from graphopt.passes.fuse_linear_ce import fuse_linear_ce
 from graphopt.passes.fuse_lora import fuse_lora
 from graphopt.passes.fuse_rmsnorm import fuse_rmsnorm
+from graphopt.passes.fuse_rope import fuse_rope
 from graphopt.passes.fuse_swiglu import fuse_swiglu
 
 FUSIONS = {
     "rms_norm": fuse_rmsnorm,
+    "rope": fuse_rope,  # q and k of one attention layer
     "swiglu": fuse_swiglu,  # SwiGLU and GeGLU
     "lora": fuse_lora,
+    "linear_cross_entropy": fuse_linear_ce,  # lm_head + loss; the logits policy follows (passes/drop_logits.py)
 }
 
 # Built and tested for equivalence, not yet measured on the H200 against inductor: opt in with

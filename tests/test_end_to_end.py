@@ -51,12 +51,14 @@ def test_lora_model_matches_eager(arch, device, dtype):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
     report = compile_and_compare(model, ids, dtype)
     gated = "geglu" if arch == "gemma" else "swiglu"
-    assert report.summary() == {"rms_norm": rms_norm_modules(model), gated: 2}  # norms: 2 per layer + final
+    # norms: 2 per layer + final; one rope (q and k together) per attention layer; the lm_head + loss
+    assert report.summary() == {"rms_norm": rms_norm_modules(model), "rope": 2, gated: 2, "linear_cross_entropy": 1}
     assert rms_norm_modules(model) == 5
     assert report.misses == []
     assert report.target == device
     assert {r.op for r in report.lowering} == {f"graphopt.{op}.default" for op in (
-        "rms_norm", "rms_norm_backward", "gated_activation", "gated_activation_backward")}
+        "rms_norm", "rms_norm_backward", "rope", "rope_backward", "gated_activation", "gated_activation_backward",
+        "linear_cross_entropy", "linear_cross_entropy_backward")}
     if device == "cuda":
         assert all("Triton" in r.implementation for r in report.lowering)
 
@@ -119,7 +121,7 @@ def test_dynamic_shapes_compile_once():
             compiled_after_first_call = len(graphopt.reports())
     assert len(graphopt.reports()) == compiled_after_first_call  # new shapes reuse the graph
     report = graphopt.last_report()
-    assert report.summary() == {"rms_norm": 5, "swiglu": 2}
+    assert report.summary() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
     assert any(isinstance(s, str) for s in report.fusions[0].shape)  # symbolic batch/sequence sizes
 
 
@@ -135,4 +137,4 @@ def test_report_option_writes_every_format(tmp_path):
     import json
 
     data = json.loads((tmp_path / "report.json").read_text())
-    assert len(data["fusions"]) == 7 and data["misses"] == []
+    assert len(data["fusions"]) == 10 and data["misses"] == []

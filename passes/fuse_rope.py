@@ -1,0 +1,225 @@
+"""Rotary position embedding of q and k → graphopt::rope.
+
+Matches (after passes/normalize.py) HF's apply_rotary_pos_emb as Dynamo hands it over in Llama, Qwen2, Mistral,
+Gemma and Phi-3, for q and k of shape [B, H, S, D] (transposed views of the projections):
+  c = cos.unsqueeze(1); s = sin.unsqueeze(1)                     cos, sin: [B or 1, S, R], no gradient
+  x * c + cat((neg(x[..., R/2:]), x[..., :R/2]), -1) * s          rotate_half is two slices, a neg and a cat
+  Phi-3 partial rotary (R < D): x = q[..., :R], and the result is cat([·, q[..., R:]], -1)
+The q and k rotations of one attention module that share cos and sin become one node. Every rotate_half (a cat
+of the negated upper and the lower slice of one tensor) is a candidate: one that does not match in full, or is
+left without a partner, stays unfused with a miss record.
+"""
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, only_user, same_shape, value
+from graphopt.report import module_path, record_for
+
+PATTERN = "rope"
+
+
+class Miss(Exception):
+    """The candidate is not a rotation the fused op computes exactly; the message says why."""
+
+
+def _last_dim_slice(node):
+    """(base, start, stop) when node is base[..., start:stop] with constant bounds and step 1; else None."""
+    if not is_call(node, operator.getitem) or not is_tensor(node.args[0]):
+        return None
+    base, index = node.args
+    width, ndim = value(base).shape[-1], value(base).dim()
+    if not (isinstance(index, tuple) and index and isinstance(index[-1], slice) and isinstance(width, int)):
+        return None
+    lead, last = index[:-1], index[-1]
+    if lead != (Ellipsis,) and lead != (slice(None),) * (ndim - 1):
+        return None
+    start, stop = last.start or 0, width if last.stop is None else last.stop
+    if last.step not in (None, 1) or not (isinstance(start, int) and isinstance(stop, int)):
+        return None
+    start, stop = (i + width if i < 0 else i for i in (start, stop))
+    return base, start, min(stop, width)
+
+
+def _rotate_half_input(cat: Node):
+    """x for a cat((neg(x[..., a:]), x[..., :b]), -1), the shape rotate_half takes; None for any other cat."""
+    tensors = cat.args[0] if cat.args else None
+    if not isinstance(tensors, (tuple, list)) or len(tensors) != 2 or not is_call(tensors[0], torch.neg):
+        return None
+    upper, lower = _last_dim_slice(tensors[0].args[0]), _last_dim_slice(tensors[1])
+    if upper is None or lower is None or upper[0] is not lower[0]:
+        return None
+    return upper[0]
+
+
+def _dim(cat: Node):
+    return cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
+
+
+def _other_operand(node: Node, operand: Node):
+    """For a binary torch.mul/torch.add that uses `operand`, the other argument (None if not such a node)."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    return b if a is operand else a if b is operand else None
+
+
+def _unsqueezed(node):
+    """t for t.unsqueeze(1) of a 3-D t (HF's cos/sin broadcast over heads); None for anything else."""
+    if not (isinstance(node, Node) and (node.op == "call_method" and node.target == "unsqueeze"
+                                        or is_call(node, torch.unsqueeze))):
+        return None
+    source = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    return source if is_tensor(source) and value(source).dim() == 3 and dim in (1, -3) else None
+
+
+def _single_user(node: Node):
+    """The one user of an intermediate of the rotation (None if it has none); Miss if others read it too."""
+    if len(node.users) > 1:
+        raise Miss(f"intermediate `{node.name}` is also used outside the rotation "
+                   f"({', '.join(u.name for u in node.users)})")
+    return only_user(node)
+
+
+@dataclass
+class Rotation:
+    """One matched x·cos + rotate_half(x)·sin."""
+
+    x: Node  # the op's input: q or k
+    cos: Node  # [B or 1, S, R], before HF's unsqueeze
+    sin: Node
+    end: Node  # the rotated output
+    nodes: list  # what the op replaces
+    unsqueezed: tuple  # HF's cos/sin unsqueezed over heads, shared with the partner: erased once unused
+
+
+def _match(cat: Node) -> Rotation:
+    x = _rotate_half_input(cat)
+    neg, lower = cat.args[0]
+    upper = neg.args[0]
+    _, up_start, up_stop = _last_dim_slice(upper)
+    _, low_start, low_stop = _last_dim_slice(lower)
+    rot = value(x).shape[-1]
+    if _dim(cat) not in (-1, value(cat).dim() - 1) or not (low_start == 0 and low_stop == up_start == rot // 2
+                                                           and up_stop == rot and rot % 2 == 0):
+        raise Miss("the cat of a negated slice and a slice is not rotate_half (halves swapped along the last dim)")
+    mul_sin = _single_user(cat)
+    sin4 = _other_operand(mul_sin, cat) if is_call(mul_sin, torch.mul) else None
+    add = _single_user(mul_sin) if sin4 is not None else None
+    mul_cos = _other_operand(add, mul_sin) if is_call(add, torch.add) else None
+    cos4 = _other_operand(mul_cos, x) if is_call(mul_cos, torch.mul) else None
+    if cos4 is None or not isinstance(sin4, Node):
+        raise Miss("rotate_half(x) is not used as x * cos + rotate_half(x) * sin")
+    nodes = [upper, neg, lower, cat, mul_sin, mul_cos, add]
+    x, end = _partial_rotary(x, add, nodes)
+    inside = set(nodes)
+    for n in nodes:
+        outside = [u.name for u in n.users if u not in inside and n is not end]
+        if outside:
+            raise Miss(f"intermediate `{n.name}` is also used outside the rotation ({', '.join(outside)})")
+    cos, sin = _unsqueezed(cos4), _unsqueezed(sin4)
+    _check(x, cos, sin, end, rot)
+    return Rotation(x, cos, sin, end, nodes, (cos4, sin4))
+
+
+def _partial_rotary(x: Node, add: Node, nodes):
+    """Phi-3: x = q[..., :R] and the rotation is cat([·, q[..., R:]], -1) → (q, that cat). Otherwise (x, add):
+    the rotation of x alone, whatever x is a view of."""
+    rotated, joined = _last_dim_slice(x), only_user(add)
+    tensors = joined.args[0] if is_call(joined, torch.cat) and joined.args else None
+    if rotated is None or rotated[1] != 0 or not (isinstance(tensors, (tuple, list)) and len(tensors) == 2
+                                                  and tensors[0] is add):
+        return x, add
+    q, _, rot = rotated
+    rest = _last_dim_slice(tensors[1])
+    if rest is None or rest != (q, rot, value(q).shape[-1]) or _dim(joined) not in (-1, value(joined).dim() - 1):
+        return x, add
+    nodes += [x, tensors[1], joined]
+    return q, joined
+
+
+def _check(x: Node, cos, sin, end: Node, rot):
+    q, out = value(x), value(end)
+    if q.dim() != 4:
+        raise Miss(f"the rotated tensor has shape {list(q.shape)}, not [batch, heads, seq, head_dim]")
+    if cos is None or sin is None:
+        raise Miss("cos/sin are not [batch or 1, seq, rotary_dim] tensors unsqueezed at dim 1 (HF's layout for q "
+                   "of [batch, heads, seq, head_dim]; q laid out [batch, seq, heads, head_dim] is not fused)")
+    c, s = value(cos), value(sin)
+    if not (statically_known_true(c.shape[0] == 1) or statically_known_true(c.shape[0] == q.shape[0])) or not (
+            statically_known_true(c.shape[1] == q.shape[2]) and statically_known_true(c.shape[2] == rot)
+            and same_shape(c, s)):
+        raise Miss(f"cos/sin {list(c.shape)} do not broadcast as [batch or 1, seq, {rot}] over q {list(q.shape)}")
+    if c.requires_grad or s.requires_grad:
+        raise Miss("cos/sin require grad: the fused op gives them no gradient")
+    if q.dtype not in FUSABLE_DTYPES or c.dtype not in FUSABLE_DTYPES or c.dtype != s.dtype:
+        raise Miss(f"q/k {q.dtype}, cos {c.dtype}, sin {s.dtype}: not float32/bfloat16/float16 with one cos/sin dtype")
+    if out.dtype != q.dtype:
+        raise Miss(f"cos/sin {c.dtype} promote the {q.dtype} rotation to {out.dtype}; the op keeps q's dtype")
+
+
+def _pairs(gm: GraphModule, rotations, report):
+    """The rotations of one attention module sharing cos/sin, two by two in graph order; a lone one is a miss."""
+    groups = defaultdict(list)
+    for r in rotations:
+        groups[(r.cos, r.sin, module_path(r.end))].append(r)
+    order = _position(gm.graph)
+    for group in groups.values():
+        group.sort(key=lambda r: order(r.end))
+        if len(group) % 2:
+            lone = group.pop()
+            report.misses.append(record_for(lone.end, PATTERN, "a lone q or k rotation: no second rotation in its "
+                                            "module shares its cos/sin (the op rotates q and k together)"))
+        for a, b in zip(group[::2], group[1::2]):
+            if order(b.x) > order(a.end):
+                reason = "k's input is computed after q's rotation is used, so no one node can take both"
+                report.misses += [record_for(r.end, PATTERN, reason) for r in (a, b)]
+            elif not all(statically_known_true(value(a.x).shape[i] == value(b.x).shape[i]) for i in (0, 2, 3)):
+                reason = "q and k differ in batch, seq or head_dim"
+                report.misses += [record_for(r.end, PATTERN, reason) for r in (a, b)]
+            else:
+                yield a, b
+
+
+def _contiguous(fake):
+    return torch.empty_like(fake, memory_format=torch.contiguous_format)
+
+
+def fuse_rope(gm: GraphModule, report) -> int:
+    """Replace each q/k pair of rotations with one graphopt::rope node; record fusions and misses."""
+    rotations = []
+    for cat in [n for n in gm.graph.nodes if is_call(n, torch.cat) and _rotate_half_input(n) is not None]:
+        try:
+            rotations.append(_match(cat))
+        except Miss as miss:
+            report.misses.append(record_for(cat, PATTERN, str(miss)))
+    fused = 0
+    for q, k in list(_pairs(gm, rotations, report)):
+        with gm.graph.inserting_before(q.end):
+            op = gm.graph.call_function(torch.ops.graphopt.rope.default, (q.x, k.x, q.cos, q.sin))
+            outputs = [gm.graph.call_function(operator.getitem, (op, i)) for i in range(2)]
+        op.meta = dict(q.end.meta, example_value=tuple(_contiguous(value(r.end)) for r in (q, k)))
+        for r, out in zip((q, k), outputs):
+            out.meta = dict(r.end.meta, example_value=_contiguous(value(r.end)))
+            r.end.replace_all_uses_with(out)
+        order = _position(gm.graph)
+        for n in sorted(q.nodes + k.nodes, key=order, reverse=True):
+            gm.graph.erase_node(n)
+        for n in set(q.unsqueezed + k.unsqueezed):  # HF unsqueezes cos/sin once per layer, for q and k
+            if not n.users:
+                gm.graph.erase_node(n)
+        report.fusions.append(record_for(outputs[0], PATTERN))
+        fused += 1
+    gm.recompile()
+    return fused
+
+
+def _position(graph):
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
