@@ -9,11 +9,16 @@ PEFT's fp32 adapters:
   rms_norm          weight * (x.float() * rsqrt(mean(x.float()², -1) + eps)).to(bf16); weight frozen
   gated_activation  silu(gate) * up
   lora_linear       linear(x, W) + linear(linear(x.float(), A), B) * scaling, cast to bf16; W frozen
+  rope              HF's apply_rotary_pos_emb: q·cos + rotate_half(q)·sin and the same for k (32 q heads,
+                    8 k heads, head_dim 64, q and k transposed views of the projections)
+  linear_cross_entropy  cross_entropy(linear(h, W_lm_head).float(), labels), vocab 128256, 10% labels ignored;
+                    W frozen (tied, as LoRA leaves it)
 Variants, each timed forward + backward (torch.autograd.grad with a fixed random grad_out):
   eager        the unfused subgraph in plain PyTorch
   inductor     torch.compile of the unfused subgraph (default backend)
   graphopt-op  torch.ops.graphopt.<op> called eagerly with its registered backward: on CUDA the Triton kernels of
-               lowering/cuda.py for rms_norm and gated_activation, the reference matmuls for lora_linear
+               lowering/cuda.py (rms_norm, gated_activation, rope, linear_cross_entropy), the reference matmuls
+               for lora_linear
   graphopt     torch.compile(unfused, backend="graphopt", options={"fusions": {"lora": True}}): what users get
 Time: median GPU time over --reps runs (CUDA events), L2 flushed before each run, the GPU kept busy while Python
 enqueues the run so launch overhead is not counted (inside a model the CPU runs ahead of the GPU). Memory: peak
@@ -43,6 +48,7 @@ import torch.nn.functional as F
 import graphopt  # registers torch.ops.graphopt.* (and on CUDA their Triton kernels); last_report()
 
 HIDDEN, INTERMEDIATE, RANK = 2048, 8192, 16  # Llama-3.2-1B, LoRA r=16
+Q_HEADS, KV_HEADS, HEAD_DIM, SEQ, VOCAB = 32, 8, 64, 2048, 128256
 EPS = 1e-5
 SCALING = 1.0
 DTYPE, ADAPTER_DTYPE = torch.bfloat16, torch.float32
@@ -50,7 +56,7 @@ H200_GBPS = 4300  # measured copy bandwidth of the H200, the ceiling for memory-
 MAX_REL_ERR = 2e-2  # bf16
 VARIANTS = ("eager", "inductor", "graphopt-op", "graphopt")
 GRAPHOPT_OPTIONS = {"fusions": {"lora": True}}
-OPS = ("rms_norm", "gated_activation", "lora_linear")
+OPS = ("rms_norm", "gated_activation", "lora_linear", "rope", "linear_cross_entropy")
 
 
 # --- the unfused subgraphs, spelled as HF transformers and PEFT spell them ---------------------------------
@@ -83,6 +89,19 @@ class LoraLinear(torch.nn.Module):
         return result.to(x.dtype)
 
 
+def _rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def rope(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def linear_cross_entropy(hidden, weight, labels):
+    return F.cross_entropy(F.linear(hidden, weight).float(), labels)
+
+
 def _linear(weight, requires_grad=True):
     """A bias-free nn.Linear with this weight (its storage: the other variants read the same numbers)."""
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -98,8 +117,8 @@ class Case:
     shape: str  # for the table and the JSON lines
     inputs: tuple  # the arguments of `unfused` and `fused`
     wrt: tuple  # what gradients are taken for
-    names: tuple  # of the output, then of each gradient
-    grad_out: torch.Tensor
+    names: tuple  # of the outputs, then of each gradient
+    grad_out: tuple  # one per output
     unfused: Callable
     fused: Callable  # the graphopt op, eagerly
     pattern: str  # the pattern name graphopt's report must show as fused
@@ -120,13 +139,13 @@ def make_case(op, tokens, device):
         fused = lambda x, w: torch.ops.graphopt.rms_norm(x, w, EPS, 0.0, DTYPE)  # noqa: E731
         # forward reads x and writes y; backward reads dy and x and writes dx (no dW: the weight is frozen)
         return Case(op, f"x [{tokens}, {HIDDEN}] bf16, weight frozen", (x, weight), (x,), ("out", "dx"),
-                    randn(tokens, HIDDEN), rms_norm, fused, "rms_norm", bytes_moved=5 * tokens * HIDDEN * size)
+                    (randn(tokens, HIDDEN),), rms_norm, fused, "rms_norm", bytes_moved=5 * tokens * HIDDEN * size)
     if op == "gated_activation":
         gate, up = randn(tokens, INTERMEDIATE, grad=True), randn(tokens, INTERMEDIATE, grad=True)
         fused = lambda gate, up: torch.ops.graphopt.gated_activation(gate, up, "silu")  # noqa: E731
         # forward reads gate, up and writes h; backward reads dh, gate, up and writes dgate, dup
         return Case(op, f"gate, up [{tokens}, {INTERMEDIATE}] bf16", (gate, up), (gate, up),
-                    ("out", "dgate", "dup"), randn(tokens, INTERMEDIATE), gated_activation, fused, "swiglu",
+                    ("out", "dgate", "dup"), (randn(tokens, INTERMEDIATE),), gated_activation, fused, "swiglu",
                     bytes_moved=8 * tokens * INTERMEDIATE * size)
     if op == "lora_linear":
         # Random B (PEFT starts it at zero) so that every gradient is non-zero and the LoRA path counts.
@@ -143,8 +162,37 @@ def make_case(op, tokens, device):
         # forward: x·Wᵀ, x·Aᵀ, (xA)·Bᵀ; backward: dY·W, dY·B, (dY·B)·A, dA, dB (recomputation not counted)
         flops = 2 * (n * h * o + n * h * r + n * r * o) + 2 * (n * o * h + n * o * r + 2 * n * r * h + n * o * r)
         return Case(op, f"x [{tokens}, {h}] bf16, W [{o}, {h}] bf16 frozen, A [{r}, {h}] / B [{o}, {r}] fp32",
-                    (x,), (x, lora_a, lora_b), ("out", "dx", "dA", "dB"), randn(tokens, o), module, fused,
+                    (x,), (x, lora_a, lora_b), ("out", "dx", "dA", "dB"), (randn(tokens, o),), module, fused,
                     "lora", flops=flops)
+    if op == "rope":
+        batch = max(1, tokens // SEQ)
+        seq = tokens // batch
+        # q and k as HF hands them over: [B, H, S, D] transposed views of the projections' [B, S, H·D] outputs
+        q, k = (randn(batch, seq, n * HEAD_DIM, grad=True) for n in (Q_HEADS, KV_HEADS))
+        q_heads, k_heads = (t.view(batch, seq, -1, HEAD_DIM).transpose(1, 2) for t in (q, k))
+        angles = torch.arange(seq, device=device)[:, None] * 10000.0 ** (
+            -torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
+        angles = torch.cat((angles, angles), dim=-1)[None]
+        cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+        fused = lambda q, k, cos, sin: torch.ops.graphopt.rope(q, k, cos, sin)  # noqa: E731
+        n_elements = q.numel() + k.numel()
+        # forward reads q, k and writes both outputs; backward reads both gradients and writes dq, dk
+        return Case(op, f"q [{batch}, {Q_HEADS}, {seq}, {HEAD_DIM}], k [{batch}, {KV_HEADS}, {seq}, {HEAD_DIM}] "
+                    "bf16, transposed views", (q_heads, k_heads, cos, sin), (q, k), ("q_out", "k_out", "dq", "dk"),
+                    (randn(batch, Q_HEADS, seq, HEAD_DIM), randn(batch, KV_HEADS, seq, HEAD_DIM)), rope, fused, "rope",
+                    bytes_moved=4 * n_elements * size)
+    if op == "linear_cross_entropy":
+        hidden = randn(tokens, HIDDEN, grad=True)
+        weight = randn(VOCAB, HIDDEN, scale=HIDDEN ** -0.5)
+        labels = torch.randint(0, VOCAB, (tokens,), generator=g, device=device)
+        labels[torch.rand(tokens, generator=g, device=device) < 0.1] = -100
+        chunk = max(1, (256 * 2**20) // (VOCAB * 4))  # passes/fuse_linear_ce.py's choice
+        fused = lambda h, w, t: torch.ops.graphopt.linear_cross_entropy(  # noqa: E731
+            h, w, None, t, -100, "mean", 0.0, chunk, True, False)[0]
+        # forward: h·Wᵀ; backward: dlogits·W (the lm_head is frozen)
+        return Case(op, f"hidden [{tokens}, {HIDDEN}] bf16, lm_head [{VOCAB}, {HIDDEN}] bf16 frozen",
+                    (hidden, weight, labels), (hidden,), ("loss", "dh"), (torch.ones((), device=device),),
+                    linear_cross_entropy, fused, "linear_cross_entropy", flops=2 * 2 * tokens * HIDDEN * VOCAB)
     raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
 
 
@@ -161,8 +209,12 @@ def build(variant, case):
 
 
 def fwd_bwd(fn, case):
-    out = fn(*case.inputs)
-    return (out, *torch.autograd.grad(out, case.wrt, case.grad_out))
+    outs = _as_tuple(fn(*case.inputs))
+    return (*outs, *torch.autograd.grad(outs, case.wrt, case.grad_out))
+
+
+def _as_tuple(out):
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 # --- measurements ----------------------------------------------------------------------------------------
@@ -184,7 +236,7 @@ def memory_mib(fn, case, device):
     synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    out = fn(*case.inputs)
+    out = _as_tuple(fn(*case.inputs))
     synchronize(device)
     fwd_live = torch.cuda.memory_allocated(device) - before  # output + what autograd saved for the backward
     grads = torch.autograd.grad(out, case.wrt, case.grad_out)

@@ -89,7 +89,7 @@ def _match(ce: Node):
     chain, node = [], scores
     if isinstance(node, Node) and node.op == "call_method" and node.target in ("view", "reshape"):
         chain, node = [node], node.args[0]
-    if chain and is_cast(node):
+    if is_cast(node):
         chain, node = chain + [node], node.args[0]
     if any(len(n.users) != 1 for n in chain):
         raise Miss("the flattened or upcast logits are also used outside the loss")

@@ -269,6 +269,16 @@ def test_pass_leaves_what_it_cannot_prove_with_a_reason(loss_kwargs, upcast, dty
     torch.testing.assert_close(first_output(gm, inputs), expected, rtol=0, atol=0)
 
 
+def test_pass_fuses_a_loss_on_2d_rows_without_a_view():
+    def loss(hidden, weight, labels):
+        return F.cross_entropy(F.linear(hidden, weight).float(), labels)
+
+    args = (torch.randn(24, 16).requires_grad_(), torch.randn(50, 16), torch.randint(0, 50, (24,)))
+    gm, inputs, expected, report, fused = run_pass(fuse, loss, *args)
+    assert fused == 1 and report.misses == []
+    assert relative_error(first_output(gm, inputs), expected) <= 1e-6
+
+
 def test_pass_misses_a_loss_not_on_a_linear():
     def loss_of_scores(scores, labels):
         return F.cross_entropy(scores.view(-1, 50), labels.view(-1))

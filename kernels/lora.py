@@ -1,0 +1,146 @@
+"""LoRA Linear on the GPU with fp32 adapters on a bf16/fp16/fp32 base; kernels/reference.py defines it.
+
+The frozen base matmuls (x·Wᵀ forward, dY·W backward) stay cuBLAS. Everything PEFT does around them in the
+adapter dtype — the upcast of x, x·Aᵀ, ·Bᵀ, the scaling, the add, the cast back, and the same in the backward —
+runs in three Triton kernels that read each large tensor once and keep fp32 values in registers, never in
+memory: no fp32 copy of x or of the output exists, saved or transient. The rank-r products are fp32 `tl.dot`s
+with IEEE precision (no TF32), as PEFT's fp32 matmuls are.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from graphopt.kernels.layout import as_rows
+
+
+@triton.jit
+def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_wk, scale,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Y[m, r] = scale · Σ_k X[m, k] · W[r, k]; Y is [n_rows, rank] fp32, contiguous
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ranks = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rows[:, None] * stride_x + ks[None, :],
+                    mask=(rows < n_rows)[:, None] & (ks < n_cols)[None, :], other=0.0).to(tl.float32)
+        w = tl.load(W + ranks[None, :] * stride_wr + ks[:, None] * stride_wk,
+                    mask=(ranks < rank)[None, :] & (ks < n_cols)[:, None], other=0.0).to(tl.float32)
+        acc += tl.dot(x, w, input_precision="ieee")
+    tl.store(Y + rows[:, None] * rank + ranks[None, :], acc * scale,
+             mask=(rows < n_rows)[:, None] & (ranks < rank)[None, :])
+
+
+@triton.jit
+def _reduce_rows_kernel(G, X, P, n_rows, n_cols, rank, rows_per_split, stride_x,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # P[split, r, n] = Σ_{m in split} G[m, r] · X[m, n]; G is [n_rows, rank] fp32 contiguous
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1).to(tl.int64)
+    ranks = tl.arange(0, BLOCK_R)
+    first = split * rows_per_split
+    end = tl.minimum(first + rows_per_split, n_rows)
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    for start in range(first, end, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        g = tl.load(G + rows[None, :] * rank + ranks[:, None],
+                    mask=(rows < end)[None, :] & (ranks < rank)[:, None], other=0.0)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :],
+                    mask=(rows < end)[:, None] & (cols < n_cols)[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(g, x, input_precision="ieee")
+    tl.store(P + split * rank * n_cols + ranks[:, None] * n_cols + cols[None, :], acc,
+             mask=(ranks < rank)[:, None] & (cols < n_cols)[None, :])
+
+
+@triton.jit
+def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, stride_wn, stride_wr, scale,
+                         ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
+    # OUT[m, n] = BASE[m, n] + scale · Σ_r XA[m, r] · W[n, r], rounded once to OUT's dtype (with ROUND_FIRST the
+    # low-rank term is rounded to it before the add, as autograd's accumulation of two bf16 gradients does)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, BLOCK_R)
+    xa = tl.load(XA + rows[:, None] * rank + ranks[None, :],
+                 mask=(rows < n_rows)[:, None] & (ranks < rank)[None, :], other=0.0)
+    w = tl.load(W + cols[None, :] * stride_wn + ranks[:, None] * stride_wr,
+                mask=(cols < n_cols)[None, :] & (ranks < rank)[:, None], other=0.0).to(tl.float32)
+    low_rank = tl.dot(xa, w, input_precision="ieee") * scale
+    if ROUND_FIRST:
+        low_rank = low_rank.to(OUT.dtype.element_ty).to(tl.float32)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    base = tl.load(BASE + rows[:, None] * stride_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + rows[:, None] * n_cols + cols[None, :], (base + low_rank).to(OUT.dtype.element_ty), mask=mask)
+
+
+def _block_r(rank):
+    return max(16, triton.next_power_of_2(rank))  # tl.dot needs every block dimension ≥ 16
+
+
+def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
+    """[rows, rank] fp32 = scale · x_rows · Wᵀ, W given as (tensor, strides of its [rank, cols] view)."""
+    n_rows, n_cols = x_rows.shape
+    out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
+    block_m = 64 if x_rows.device.type == "cuda" else 128
+    _project_kernel[(triton.cdiv(n_rows, block_m),)](
+        x_rows, weight, out, n_rows, n_cols, rank, x_rows.stride(0), stride_wr, stride_wk, scale,
+        BLOCK_M=block_m, BLOCK_K=64, BLOCK_R=_block_r(rank), num_warps=4)
+    return out
+
+
+def _reduce_rows(g, x_rows):
+    """[rank, cols] fp32 = gᵀ · x_rows, reduced over rows in splits (enough programs to fill the GPU) then summed."""
+    n_rows, n_cols = x_rows.shape
+    rank = g.shape[1]
+    block_m, block_n = (64, 64) if x_rows.device.type == "cuda" else (64, 256)
+    col_blocks = triton.cdiv(n_cols, block_n)
+    splits = max(1, min(triton.cdiv(n_rows, 4 * block_m), triton.cdiv(512, col_blocks)))
+    rows_per_split = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
+    splits = triton.cdiv(n_rows, rows_per_split) if n_rows else 1
+    partial = torch.zeros((splits, rank, n_cols), dtype=torch.float32, device=x_rows.device)
+    _reduce_rows_kernel[(col_blocks, splits)](
+        g, x_rows, partial, n_rows, n_cols, rank, rows_per_split, x_rows.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block_r(rank), num_warps=4)
+    return partial.sum(0)
+
+
+def _add_low_rank(base, xa, weight, stride_wn, stride_wr, scale, out_dtype, round_first):
+    n_rows, n_cols = base.shape
+    out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
+    block_m, block_n = (64, 128) if base.device.type == "cuda" else (128, 256)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    _add_low_rank_kernel[grid](
+        base, xa, weight, out, n_rows, n_cols, xa.shape[1], base.stride(0), stride_wn, stride_wr, scale,
+        ROUND_FIRST=round_first, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block_r(xa.shape[1]), num_warps=4)
+    return out
+
+
+def supported(x, weight, lora_a, lora_b) -> bool:
+    """The kernels compute PEFT's default dtypes: fp32 adapters on a base of x's dtype."""
+    return (lora_a.dtype == lora_b.dtype == torch.float32 and x.dtype == weight.dtype
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
+    rows = as_rows(x, x.shape[-1])
+    base = torch.nn.functional.linear(rows, weight, bias)
+    xa = _project(rows, lora_a, lora_a.stride(0), lora_a.stride(1), lora_a.shape[0], 1.0)
+    # out = base + (xa · Bᵀ) · scaling; B is [out, rank]: W[n, r] = B[n, r]
+    out = _add_low_rank(base, xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, False)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling):
+    rank = lora_a.shape[0]
+    rows = as_rows(x, x.shape[-1])
+    grad = as_rows(grad_out, weight.shape[0])
+    xa = _project(rows, lora_a, lora_a.stride(0), lora_a.stride(1), rank, 1.0)  # recomputed, [tokens, rank]
+    # d(xa) = scaling · dY · B: B is [out, rank], read as its [rank, out] transpose
+    grad_xa = _project(grad, lora_b, lora_b.stride(1), lora_b.stride(0), rank, scaling)
+    grad_b = (_reduce_rows(xa, grad) * scaling).t().contiguous()  # scaling · dYᵀ · xa, [out, rank]
+    grad_a = _reduce_rows(grad_xa, rows)  # d(xa)ᵀ · x, [rank, in]
+    grad_base = grad.to(weight.dtype) @ weight  # cuBLAS, [tokens, in]
+    # dX = dY · W + d(xa) · A, A is [rank, in]: W[n, r] = A[r, n]
+    grad_x = _add_low_rank(grad_base, grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, True)
+    return grad_x.view(x.shape), grad_a, grad_b
