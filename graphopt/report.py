@@ -47,6 +47,8 @@ class Report:
     misses: list = field(default_factory=list)
     lowering: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # plain sentences: policies applied (e.g. logits not materialized)
+    # What the forward keeps for the backward, known once the backward is compiled (at the first backward call)
+    saved_for_backward: Optional[dict] = None
 
     def to_json(self) -> dict:
         return {
@@ -58,6 +60,7 @@ class Report:
             "misses": [asdict(r) for r in self.misses],
             "lowering": [asdict(r) for r in self.lowering],
             "notes": list(self.notes),
+            "saved_for_backward": self.saved_for_backward,
         }
 
     def summary(self) -> dict:
@@ -78,6 +81,13 @@ class Report:
         lines.append("lowering")
         lines += [f"  {r.op} ×{r.count} → {r.implementation}" + (f"  ({r.note})" if r.note else "")
                   for r in self.lowering]
+        if self.saved_for_backward:
+            saved = self.saved_for_backward
+            largest = ", ".join(f"{t['dtype']}[{', '.join(map(str, t['shape']))}] ×{t['count']}"
+                                for t in saved["largest"])
+            lines.append(f"saved for backward: {saved['tensors']} activations, {_bytes_text(saved['bytes'])} "
+                         f"(largest: {largest}); and {saved['inputs_kept']} of the graph's inputs "
+                         f"(weights, ids), {_bytes_text(saved['inputs_kept_bytes'])}")
         if self.notes:
             lines.append("notes")
             lines += [f"  {note}" for note in self.notes]
@@ -105,6 +115,8 @@ class Report:
             + table("Fusions", self.fusions, False) + table("Misses", self.misses, True)
             + "<h2>Lowering</h2><table><tr><th>op</th><th>count</th><th>implementation</th><th>note</th></tr>"
             + lowering + "</table>"
+            + "".join(f"<p>{html.escape(line)}</p>" for line in self.to_text().splitlines()
+                      if line.startswith("saved for backward"))
             + "".join(f"<p>{html.escape(note)}</p>" for note in self.notes) + "</body></html>"
         )
 
@@ -119,6 +131,44 @@ def render(report, suffix: str) -> str:
     if suffix == ".html":
         return report.to_html()
     return report.to_text() + "\n"
+
+
+def _bytes_text(n) -> str:
+    return f"{n / 2**20:,.1f} MiB" if isinstance(n, int) else f"{n} bytes"
+
+
+def saved_for_backward(backward: torch.fx.GraphModule, largest: int = 5) -> dict:
+    """What a compiled backward graph reads that the forward saved: its tensor inputs except the incoming
+    gradients (aot_autograd names those tangents_*), split into activations (made by the forward: the memory
+    that saving costs) and the forward's own inputs it keeps (primals_*: weights, ids — alive anyway). Sizes are
+    ints, or sympy text under dynamic shapes."""
+    tensors = [node for node in backward.graph.nodes if node.op == "placeholder"
+               and not node.name.startswith("tangents") and isinstance(node.meta.get("val"), torch.Tensor)]
+    saved = [node.meta["val"] for node in tensors if not node.name.startswith("primals")]
+    inputs = [node.meta["val"] for node in tensors if node.name.startswith("primals")]
+    total, groups = 0, {}
+    for t in saved:
+        size = t.numel() * t.element_size()
+        total = total + size
+        key = (str(t.dtype).replace("torch.", ""), tuple(int(s) if isinstance(s, int) else str(s) for s in t.shape))
+        count, group_bytes = groups.get(key, (0, 0))
+        groups[key] = (count + 1, group_bytes + size)
+    ranked = sorted(groups.items(), key=lambda kv: _sortable(kv[1][1]), reverse=True)[:largest]
+    inputs_bytes = sum(t.numel() * t.element_size() for t in inputs)
+    return {"tensors": len(saved), "bytes": _plain(total), "inputs_kept": len(inputs),
+            "inputs_kept_bytes": _plain(inputs_bytes),
+            "largest": [{"dtype": d, "shape": list(s), "count": c, "bytes": _plain(b)} for (d, s), (c, b) in ranked]}
+
+
+def _plain(n):
+    return n if isinstance(n, int) else str(n)  # a SymInt as its expression, never specialized
+
+
+def _sortable(n):
+    if isinstance(n, int):
+        return n
+    hint = getattr(getattr(n, "node", None), "hint", None)  # symbolic: order by its hint, adding no guard
+    return hint if hint is not None else 0
 
 
 def _type_text(r: Record) -> str:
@@ -182,6 +232,7 @@ def record_for(node: torch.fx.Node, pattern: str, reason: Optional[str] = None) 
 
 _REPORTS: list = []
 _WRITTEN: dict = {}  # report path → graphs already written to it
+_PATH_OF: dict = {}  # id(report) → the file publish() wrote it to
 
 
 def publish(report: Report, path=None) -> None:
@@ -193,7 +244,16 @@ def publish(report: Report, path=None) -> None:
     path = Path(path)
     earlier = _WRITTEN.get(path.resolve(), 0)
     _WRITTEN[path.resolve()] = earlier + 1
-    report.write(path if earlier == 0 else path.with_name(f"{path.stem}.graph{earlier}{path.suffix}"))
+    path = path if earlier == 0 else path.with_name(f"{path.stem}.graph{earlier}{path.suffix}")
+    _PATH_OF[id(report)] = path
+    report.write(path)
+
+
+def rewrite(report: Report) -> None:
+    """Write a report again where publish() wrote it, after a later stage added to it."""
+    path = _PATH_OF.get(id(report))
+    if path is not None:
+        report.write(path)
 
 
 def last_report() -> Report:

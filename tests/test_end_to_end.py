@@ -123,6 +123,7 @@ def test_dynamic_shapes_compile_once():
     report = graphopt.last_report()
     assert report.summary() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
     assert any(isinstance(s, str) for s in report.fusions[0].shape)  # symbolic batch/sequence sizes
+    assert isinstance(report.saved_for_backward["bytes"], str)  # a size expression, not one shape's number
 
 
 def test_report_option_writes_every_format(tmp_path):
@@ -131,10 +132,12 @@ def test_report_option_writes_every_format(tmp_path):
     for suffix in (".txt", ".json", ".html"):
         torch._dynamo.reset()
         path = tmp_path / f"report{suffix}"
-        torch.compile(model, backend="graphopt", options={"report": str(path)})(input_ids=ids, labels=ids)
+        compiled = torch.compile(model, backend="graphopt", options={"report": str(path)})
+        compiled(input_ids=ids, labels=ids).loss.backward()  # the backward's compilation rewrites the file
         text = path.read_text()
         assert "base_model.model.model.layers.1.post_attention_layernorm" in text
     import json
 
     data = json.loads((tmp_path / "report.json").read_text())
     assert len(data["fusions"]) == 10 and data["misses"] == []
+    assert data["saved_for_backward"]["tensors"] > 0 and data["saved_for_backward"]["bytes"] > 0

@@ -316,3 +316,30 @@ def test_lora_models_match_eager(arch):
     per_layer = 4 if arch == "phi3" else 7  # Phi-3 packs qkv and gate/up into one projection each
     assert report.summary()["lora"] == 2 * per_layer and report.misses == []
     assert graphopt.last_report() is report
+
+
+def test_report_counts_what_the_forward_saves_and_lora_drops_the_fp32_copies():
+    """The report's saved_for_backward is exactly what autograd holds between forward and backward, and with the
+    LoRA fusion on, a bf16 model with fp32 adapters keeps no fp32 activation at all."""
+    def saved_report(options):
+        torch._dynamo.reset()
+        model = tiny_lora_model("llama", torch.bfloat16)
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
+        ids = torch.randint(0, 128, (2, 16))
+        held = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+            loss = torch.compile(model, backend="graphopt", options=options)(input_ids=ids, labels=ids).loss
+        assert graphopt.last_report().saved_for_backward is None  # known once the backward compiles
+        loss.backward()
+        saved = graphopt.last_report().saved_for_backward
+        assert saved["tensors"] + saved["inputs_kept"] == len(held)
+        assert saved["bytes"] + saved["inputs_kept_bytes"] == sum(t.numel() * t.element_size() for t in held)
+        return saved
+
+    unfused, fused = saved_report({}), saved_report(LORA_ON)
+    assert "float32" in [t["dtype"] for t in unfused["largest"]]
+    assert "float32" not in [t["dtype"] for t in fused["largest"]]
+    assert fused["bytes"] < unfused["bytes"]
+    assert "saved for backward: " in graphopt.last_report().to_text()

@@ -40,7 +40,7 @@ def test_to_json_round_trips_through_json():
     data = sample_report().to_json()
     assert json.loads(json.dumps(data)) == data
     assert set(data) == {"schema_version", "graph", "target", "nodes_captured", "fusions", "misses", "lowering",
-                         "notes"}
+                         "notes", "saved_for_backward"}
     assert data["schema_version"] == SCHEMA_VERSION
     assert (data["graph"], data["target"], data["nodes_captured"]) == (3, "cuda", 412)
     assert [f["module"] for f in data["fusions"]] == [LAYER0, "base_model.model.model.norm"]
