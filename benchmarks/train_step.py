@@ -192,6 +192,43 @@ def synchronize(device):
 
 
 
+# Where a step's device time goes, by kind of kernel (first matching pattern wins; names lowercased).
+KERNEL_KINDS = (
+    ("matmul (cuBLAS/CUTLASS)", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("attention", ("flash", "fmha", "attention", "efficient_attention")),
+    ("graphopt Triton kernels", ("_rms_norm", "_rope", "_gated", "_cross_entropy", "_project", "_reduce_rows",
+                                 "_add_low_rank")),
+    ("Inductor-generated Triton", ("triton_",)),
+    ("copies and fills", ("memcpy", "memset", "copy_", "fill_")),
+)
+
+
+def profile_steps(forward, optimizer, input_ids, device, path, steps=2):
+    """Profile a few more steps: print device time per kind of kernel and the top kernels; chrome trace to path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            train_step(forward, optimizer, input_ids)
+        synchronize(device)
+    prof.export_chrome_trace(path)
+    kernels = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if device.type == "cuda" else "CPU")]
+    time_of = (lambda e: e.self_device_time_total) if device.type == "cuda" else (lambda e: e.self_cpu_time_total)
+    total = sum(time_of(e) for e in kernels) or 1
+    kinds = {}
+    for e in kernels:
+        kind = next((k for k, patterns in KERNEL_KINDS if any(p in e.key.lower() for p in patterns)), "other")
+        kinds[kind] = kinds.get(kind, 0) + time_of(e)
+    print(f"\nprofile of {steps} steps ({total / 1000 / steps:.1f} ms of kernel time per step); trace: {path}",
+          file=sys.stderr)
+    for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:<28} {us / 1000 / steps:8.2f} ms/step  {100 * us / total:5.1f}%", file=sys.stderr)
+    print("  top kernels:", file=sys.stderr)
+    for e in sorted(kernels, key=time_of, reverse=True)[:25]:
+        print(f"    {time_of(e) / 1000 / steps:8.2f} ms/step ×{e.count // steps:<5} {e.key[:100]}", file=sys.stderr)
+
+
 def run(args):
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -225,6 +262,8 @@ def run(args):
         loss = train_step(forward, optimizer, input_ids)
     synchronize(device)
     seconds = time.perf_counter() - start
+    if args.profile:
+        profile_steps(forward, optimizer, input_ids, device, args.profile)
 
     result = {
         "variant": args.variant,
@@ -318,6 +357,8 @@ def parse_args(argv):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line of results to PATH")
     parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"keep_logits\": true}'")
+    parser.add_argument("--profile", metavar="PATH", help="then profile 2 more steps: print where the device "
+                        "time goes, write a chrome trace to PATH")
     parser.add_argument("--table", metavar="PATH", help="print the markdown table of a results file and exit")
     args = parser.parse_args(argv)
     if args.table is None and args.variant is None:
