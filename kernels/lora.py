@@ -98,7 +98,7 @@ def _reduce_rows(g, x_rows):
     splits = max(1, min(triton.cdiv(n_rows, 4 * block_m), triton.cdiv(512, col_blocks)))
     rows_per_split = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
     splits = triton.cdiv(n_rows, rows_per_split) if n_rows else 1
-    partial = torch.zeros((splits, rank, n_cols), dtype=torch.float32, device=x_rows.device)
+    partial = torch.empty((splits, rank, n_cols), dtype=torch.float32, device=x_rows.device)  # all written
     _reduce_rows_kernel[(col_blocks, splits)](
         g, x_rows, partial, n_rows, n_cols, rank, rows_per_split, x_rows.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block_r(rank), num_warps=4)
