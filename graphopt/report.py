@@ -82,16 +82,18 @@ class Report:
         lines += [f"  {r.op} ×{r.count} → {r.implementation}" + (f"  ({r.note})" if r.note else "")
                   for r in self.lowering]
         if self.saved_for_backward:
-            saved = self.saved_for_backward
-            largest = ", ".join(f"{t['dtype']}[{', '.join(map(str, t['shape']))}] ×{t['count']}"
-                                for t in saved["largest"])
-            lines.append(f"saved for backward: {saved['tensors']} activations, {_bytes_text(saved['bytes'])} "
-                         f"(largest: {largest}); and {saved['inputs_kept']} of the graph's inputs "
-                         f"(weights, ids), {_bytes_text(saved['inputs_kept_bytes'])}")
+            lines.append(self._saved_text())
         if self.notes:
             lines.append("notes")
             lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
+
+    def _saved_text(self) -> str:
+        saved = self.saved_for_backward
+        largest = ", ".join(f"{t['dtype']}[{', '.join(map(str, t['shape']))}] ×{t['count']}" for t in saved["largest"])
+        return (f"saved for backward: {saved['tensors']} activations, {_bytes_text(saved['bytes'])} "
+                f"(largest: {largest}); and {saved['inputs_kept']} of the graph's inputs (weights, ids), "
+                f"{_bytes_text(saved['inputs_kept_bytes'])}")
 
     def to_html(self) -> str:
         def table(title, records, with_reason):
@@ -115,8 +117,7 @@ class Report:
             + table("Fusions", self.fusions, False) + table("Misses", self.misses, True)
             + "<h2>Lowering</h2><table><tr><th>op</th><th>count</th><th>implementation</th><th>note</th></tr>"
             + lowering + "</table>"
-            + "".join(f"<p>{html.escape(line)}</p>" for line in self.to_text().splitlines()
-                      if line.startswith("saved for backward"))
+            + (f"<p>{html.escape(self._saved_text())}</p>" if self.saved_for_backward else "")
             + "".join(f"<p>{html.escape(note)}</p>" for note in self.notes) + "</body></html>"
         )
 

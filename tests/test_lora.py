@@ -286,20 +286,27 @@ def test_qlora_4bit_base_stays_unfused():
 
 # --- what it saves, and whole models ----------------------------------------------------------------------
 
-def saved_fp32_activations(options):
-    """Shapes of fp32 tensors [tokens, hidden] the compiled forward saves for the backward of a bf16 model
-    whose adapters PEFT keeps in fp32."""
+def compiled_step_saves(options):
+    """One compiled forward + backward of a bf16 model whose adapters PEFT keeps in fp32: (every tensor autograd
+    held between the two, the report's saved_for_backward before the backward, and after it)."""
     torch._dynamo.reset()
     model = tiny_lora_model("llama", torch.bfloat16)
     for name, p in model.named_parameters():
         if "lora_" in name:
             p.data = p.data.float()
     ids = torch.randint(0, 128, (2, 16))
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+    held = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
         loss = torch.compile(model, backend="graphopt", options=options)(input_ids=ids, labels=ids).loss
+    before = graphopt.last_report().saved_for_backward
     loss.backward()
-    return [tuple(t.shape) for t in saved if t.dtype == torch.float32 and t.dim() >= 2 and t.shape[-1] in (64, 128)
+    return held, before, graphopt.last_report().saved_for_backward
+
+
+def saved_fp32_activations(options):
+    """Shapes of fp32 tensors [tokens, hidden] the compiled forward saves for the backward."""
+    held, _, _ = compiled_step_saves(options)
+    return [tuple(t.shape) for t in held if t.dtype == torch.float32 and t.dim() >= 2 and t.shape[-1] in (64, 128)
             and t.numel() >= 2 * 16 * 64]
 
 
@@ -322,18 +329,8 @@ def test_report_counts_what_the_forward_saves_and_lora_drops_the_fp32_copies():
     """The report's saved_for_backward is exactly what autograd holds between forward and backward, and with the
     LoRA fusion on, a bf16 model with fp32 adapters keeps no fp32 activation at all."""
     def saved_report(options):
-        torch._dynamo.reset()
-        model = tiny_lora_model("llama", torch.bfloat16)
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.float()
-        ids = torch.randint(0, 128, (2, 16))
-        held = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
-            loss = torch.compile(model, backend="graphopt", options=options)(input_ids=ids, labels=ids).loss
-        assert graphopt.last_report().saved_for_backward is None  # known once the backward compiles
-        loss.backward()
-        saved = graphopt.last_report().saved_for_backward
+        held, before, saved = compiled_step_saves(options)
+        assert before is None  # known once the backward compiles
         assert saved["tensors"] + saved["inputs_kept"] == len(held)
         assert saved["bytes"] + saved["inputs_kept_bytes"] == sum(t.numel() * t.element_size() for t in held)
         return saved
