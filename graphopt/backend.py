@@ -4,11 +4,11 @@ Registered through the `torch_dynamo_backends` entry point (pyproject.toml), so 
 """
 
 from graphopt.options import OptionError, parse_options
-from graphopt.passes.registry import FUSIONS, OFF_BY_DEFAULT
+from graphopt.passes.registry import FUSIONS
 from graphopt.pipeline import compile_graph
 
 
 def graphopt_backend(gm, example_inputs, options=None, mode=None):
     if mode is not None:
         raise OptionError(f"mode={mode!r}: graphopt has no modes; pass its settings as options={{...}}")
-    return compile_graph(gm, example_inputs, parse_options(options or {}, FUSIONS, OFF_BY_DEFAULT))
+    return compile_graph(gm, example_inputs, parse_options(options or {}, FUSIONS))

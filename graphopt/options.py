@@ -26,7 +26,7 @@ def _describe_valid(fusion_names) -> str:
             f"report=path ending in {', '.join(REPORT_SUFFIXES)}; keep_logits=True|False")
 
 
-def parse_options(raw: dict, fusion_names, off_by_default=frozenset()) -> Options:
+def parse_options(raw: dict, fusion_names) -> Options:
     fusion_names = tuple(fusion_names)
     unknown = sorted(set(raw) - {"target", "fusions", "report", "keep_logits"})
     if unknown:
@@ -38,13 +38,13 @@ def parse_options(raw: dict, fusion_names, off_by_default=frozenset()) -> Option
 
     fusions = raw.get("fusions", None)
     if fusions is None:
-        enabled = set(fusion_names) - set(off_by_default)
+        enabled = set(fusion_names)
     elif isinstance(fusions, dict):
         _check_names(fusions, fusion_names)
         for name, on in fusions.items():
             if not isinstance(on, bool):
                 raise OptionError(f"fusions[{name!r}] must be True or False, got {on!r}")
-        enabled = {n for n in fusion_names if fusions.get(n, n not in off_by_default)}
+        enabled = {n for n in fusion_names if fusions.get(n, True)}
     elif isinstance(fusions, (list, tuple, set, frozenset)):
         _check_names(fusions, fusion_names)
         enabled = set(fusions)

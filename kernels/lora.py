@@ -4,7 +4,9 @@ The frozen base matmuls (x·Wᵀ forward, dY·W backward) stay cuBLAS. Everythin
 adapter dtype — the upcast of x, x·Aᵀ, ·Bᵀ, the scaling, the add, the cast back, and the same in the backward —
 runs in three Triton kernels that read each large tensor once and keep fp32 values in registers, never in
 memory: no fp32 copy of x or of the output exists, saved or transient. The rank-r products are fp32 `tl.dot`s
-with IEEE precision (no TF32), as PEFT's fp32 matmuls are.
+in "tf32x3": three TF32 tensor-core products that carry fp32's accuracy (PEFT's fp32 matmuls run without TF32);
+plain fp32 "ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (4x slower on
+the H200, benchmarks/RESULTS.md).
 """
 
 import torch
@@ -16,7 +18,7 @@ from graphopt.kernels.layout import as_rows
 
 @triton.jit
 def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_wk, scale,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     # Y[m, r] = scale · Σ_k X[m, k] · W[r, k]; Y is [n_rows, rank] fp32, contiguous
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ranks = tl.arange(0, BLOCK_R)
@@ -27,14 +29,15 @@ def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_w
                     mask=(rows < n_rows)[:, None] & (ks < n_cols)[None, :], other=0.0).to(tl.float32)
         w = tl.load(W + ranks[None, :] * stride_wr + ks[:, None] * stride_wk,
                     mask=(ranks < rank)[None, :] & (ks < n_cols)[:, None], other=0.0).to(tl.float32)
-        acc += tl.dot(x, w, input_precision="ieee")
+        acc += tl.dot(x, w, input_precision=PRECISION)
     tl.store(Y + rows[:, None] * rank + ranks[None, :], acc * scale,
              mask=(rows < n_rows)[:, None] & (ranks < rank)[None, :])
 
 
 @triton.jit
 def _reduce_rows_kernel(G, X, P, n_rows, n_cols, rank, rows_per_split, stride_x,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        PRECISION: tl.constexpr):
     # P[split, r, n] = Σ_{m in split} G[m, r] · X[m, n]; G is [n_rows, rank] fp32 contiguous
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1).to(tl.int64)
@@ -48,7 +51,7 @@ def _reduce_rows_kernel(G, X, P, n_rows, n_cols, rank, rows_per_split, stride_x,
                     mask=(rows < end)[None, :] & (ranks < rank)[:, None], other=0.0)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :],
                     mask=(rows < end)[:, None] & (cols < n_cols)[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(g, x, input_precision="ieee")
+        acc += tl.dot(g, x, input_precision=PRECISION)
     tl.store(P + split * rank * n_cols + ranks[:, None] * n_cols + cols[None, :], acc,
              mask=(ranks < rank)[:, None] & (cols < n_cols)[None, :])
 
@@ -56,7 +59,7 @@ def _reduce_rows_kernel(G, X, P, n_rows, n_cols, rank, rows_per_split, stride_x,
 @triton.jit
 def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, stride_wn, stride_wr, scale,
                          ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_R: tl.constexpr):
+                         BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
     # OUT[m, n] = BASE[m, n] + scale · Σ_r XA[m, r] · W[n, r], rounded once to OUT's dtype (with ROUND_FIRST the
     # low-rank term is rounded to it before the add, as autograd's accumulation of two bf16 gradients does)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -66,12 +69,31 @@ def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, st
                  mask=(rows < n_rows)[:, None] & (ranks < rank)[None, :], other=0.0)
     w = tl.load(W + cols[None, :] * stride_wn + ranks[:, None] * stride_wr,
                 mask=(cols < n_cols)[None, :] & (ranks < rank)[:, None], other=0.0).to(tl.float32)
-    low_rank = tl.dot(xa, w, input_precision="ieee") * scale
+    low_rank = tl.dot(xa, w, input_precision=PRECISION) * scale
     if ROUND_FIRST:
         low_rank = low_rank.to(OUT.dtype.element_ty).to(tl.float32)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     base = tl.load(BASE + rows[:, None] * stride_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + rows[:, None] * n_cols + cols[None, :], (base + low_rank).to(OUT.dtype.element_ty), mask=mask)
+
+
+# tf32x3 on NVIDIA; the CPU interpreter ignores the precision and multiplies in fp32.
+PRECISION = "tf32x3"
+
+# Launch configurations per device type. CUDA: the best of the sweep at the Llama-3.2-1B shapes on the H200
+# (benchmarks/RESULTS.md); CPU (the interpreter): large blocks, so that its Python-level loops are few.
+CONFIGS = {
+    "cuda": {
+        "project": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
+        "reduce_rows": dict(BLOCK_M=64, BLOCK_N=128, programs=528, num_warps=4, num_stages=3),
+        "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+    },
+    "cpu": {
+        "project": dict(BLOCK_M=128, BLOCK_K=64),
+        "reduce_rows": dict(BLOCK_M=64, BLOCK_N=256, programs=512),
+        "add_low_rank": dict(BLOCK_M=128, BLOCK_N=256),
+    },
+}
 
 
 def _block_r(rank):
@@ -81,11 +103,11 @@ def _block_r(rank):
 def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
     """[rows, rank] fp32 = scale · x_rows · Wᵀ, W given as (tensor, strides of its [rank, cols] view)."""
     n_rows, n_cols = x_rows.shape
+    config = CONFIGS[x_rows.device.type]["project"]
     out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
-    block_m = 64 if x_rows.device.type == "cuda" else 128
-    _project_kernel[(triton.cdiv(n_rows, block_m),)](
+    _project_kernel[(triton.cdiv(n_rows, config["BLOCK_M"]),)](
         x_rows, weight, out, n_rows, n_cols, rank, x_rows.stride(0), stride_wr, stride_wk, scale,
-        BLOCK_M=block_m, BLOCK_K=64, BLOCK_R=_block_r(rank), num_warps=4)
+        BLOCK_R=_block_r(rank), PRECISION=PRECISION, **config)
     return out
 
 
@@ -93,26 +115,28 @@ def _reduce_rows(g, x_rows):
     """[rank, cols] fp32 = gᵀ · x_rows, reduced over rows in splits (enough programs to fill the GPU) then summed."""
     n_rows, n_cols = x_rows.shape
     rank = g.shape[1]
-    block_m, block_n = (64, 64) if x_rows.device.type == "cuda" else (64, 256)
-    col_blocks = triton.cdiv(n_cols, block_n)
-    splits = max(1, min(triton.cdiv(n_rows, 4 * block_m), triton.cdiv(512, col_blocks)))
+    config = dict(CONFIGS[x_rows.device.type]["reduce_rows"])
+    programs = config.pop("programs")
+    block_m = config["BLOCK_M"]
+    col_blocks = triton.cdiv(n_cols, config["BLOCK_N"])
+    splits = max(1, min(triton.cdiv(n_rows, 4 * block_m), triton.cdiv(programs, col_blocks)))
     rows_per_split = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
     splits = triton.cdiv(n_rows, rows_per_split) if n_rows else 1
     partial = torch.empty((splits, rank, n_cols), dtype=torch.float32, device=x_rows.device)  # all written
     _reduce_rows_kernel[(col_blocks, splits)](
         g, x_rows, partial, n_rows, n_cols, rank, rows_per_split, x_rows.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block_r(rank), num_warps=4)
+        BLOCK_R=_block_r(rank), PRECISION=PRECISION, **config)
     return partial.sum(0)
 
 
 def _add_low_rank(base, xa, weight, stride_wn, stride_wr, scale, out_dtype, round_first):
     n_rows, n_cols = base.shape
+    config = CONFIGS[base.device.type]["add_low_rank"]
     out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
-    block_m, block_n = (64, 128) if base.device.type == "cuda" else (128, 256)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    grid = (triton.cdiv(n_rows, config["BLOCK_M"]), triton.cdiv(n_cols, config["BLOCK_N"]))
     _add_low_rank_kernel[grid](
         base, xa, weight, out, n_rows, n_cols, xa.shape[1], base.stride(0), stride_wn, stride_wr, scale,
-        ROUND_FIRST=round_first, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_block_r(xa.shape[1]), num_warps=4)
+        ROUND_FIRST=round_first, BLOCK_R=_block_r(xa.shape[1]), PRECISION=PRECISION, **config)
     return out
 
 

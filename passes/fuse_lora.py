@@ -105,7 +105,8 @@ def _match(lora_b: Node):
         raise Miss("lora_B's output is not scaled once")
     scaling = mul.args[1]
     if not is_scalar(scaling):
-        raise Miss("the LoRA scaling is not a constant")
+        raise Miss("the LoRA scaling is not a constant: torch.compile(dynamic=True) passes float attributes as "
+                   "graph inputs; leave dynamic unset (sizes still become symbolic when they change)")
     add = only_user(mul)
     if not is_call(add, torch.add) or len(add.args) != 2 or add.kwargs:
         raise Miss("the scaled LoRA output is not added to the base output")

@@ -13,7 +13,3 @@ FUSIONS = {
     "lora": fuse_lora,
     "linear_cross_entropy": fuse_linear_ce,  # lm_head + loss; the logits policy follows (passes/drop_logits.py)
 }
-
-# Built and tested for equivalence, not yet measured on the H200 against inductor: opt in with
-# options={"fusions": {"lora": True}} until benchmarks/RESULTS.md shows it pays.
-OFF_BY_DEFAULT = frozenset({"lora"})

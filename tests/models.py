@@ -28,3 +28,8 @@ def tiny_lora_model(arch: str, dtype=torch.float32, seed: int = 0, **overrides):
     # init_lora_weights=False: B starts random, not zero, so every LoRA gradient is non-zero and comparable.
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
     return peft.get_peft_model(model, lora)
+
+
+def adapted_layers(model):
+    """Module paths, from the PeftModel as compiled root, of the layers PEFT adapted."""
+    return [name for name, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)]

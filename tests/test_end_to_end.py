@@ -7,7 +7,7 @@ import torch
 
 import graphopt
 from graphs import relative_error
-from models import ARCHITECTURES, rms_norm_modules, tiny_lora_model
+from models import ARCHITECTURES, adapted_layers, rms_norm_modules, tiny_lora_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CASES = [(d, torch.float32) for d in DEVICES] + [("cuda", torch.bfloat16)] * torch.cuda.is_available()
@@ -51,14 +51,16 @@ def test_lora_model_matches_eager(arch, device, dtype):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
     report = compile_and_compare(model, ids, dtype)
     gated = "geglu" if arch == "gemma" else "swiglu"
-    # norms: 2 per layer + final; one rope (q and k together) per attention layer; the lm_head + loss
-    assert report.summary() == {"rms_norm": rms_norm_modules(model), "rope": 2, gated: 2, "linear_cross_entropy": 1}
+    # norms: 2 per layer + final; one rope (q and k together) per attention layer; every adapted linear (7 per
+    # layer, 4 in Phi-3's fused qkv and gate_up); the lm_head + loss
+    assert report.summary() == {"rms_norm": rms_norm_modules(model), "rope": 2, gated: 2,
+                                "lora": len(adapted_layers(model)), "linear_cross_entropy": 1}
     assert rms_norm_modules(model) == 5
     assert report.misses == []
     assert report.target == device
     assert {r.op for r in report.lowering} == {f"graphopt.{op}.default" for op in (
         "rms_norm", "rms_norm_backward", "rope", "rope_backward", "gated_activation", "gated_activation_backward",
-        "linear_cross_entropy", "linear_cross_entropy_backward")}
+        "lora_linear", "lora_linear_backward", "linear_cross_entropy", "linear_cross_entropy_backward")}
     if device == "cuda":
         assert all("Triton" in r.implementation for r in report.lowering)
 
@@ -107,21 +109,34 @@ def test_unrecognised_norm_trains_correctly_and_is_reported():
     assert losses[0] < 4.85  # it learned something from ln(128) ≈ 4.85
 
 
-def test_dynamic_shapes_compile_once():
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic=True"])
+def test_dynamic_shapes_compile_once(dynamic):
+    """Automatic dynamic shapes (torch.compile's default, what HF's Trainer gets): the first change of size
+    recompiles once with symbolic batch and sequence; later sizes reuse that graph; everything fuses.
+    dynamic=True from the start: the same, except that Dynamo passes float attributes as graph inputs, so the
+    LoRA scaling is not a constant and each LoRA layer is a miss that says so and names the fix."""
     model = tiny_lora_model("llama")
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="graphopt", dynamic=True)
+    compiled = torch.compile(model, backend="graphopt", dynamic=dynamic)
+    compiled_after = []
     for step, (batch, seq) in enumerate([(2, 16), (3, 24), (4, 9)]):  # sizes ≥ 2: Dynamo specializes 0 and 1
         ids = torch.randint(0, 128, (batch, seq))
         loss, grads = loss_and_grads(compiled, ids)
         eager_loss, eager_grads = loss_and_grads(model, ids)
         assert relative_error(loss, eager_loss) <= 1e-5
         assert all(relative_error(grads[n], eager_grads[n]) <= 1e-5 for n in grads)
-        if step == 0:
-            compiled_after_first_call = len(graphopt.reports())
-    assert len(graphopt.reports()) == compiled_after_first_call  # new shapes reuse the graph
+        compiled_after.append(len(graphopt.reports()))
+    if dynamic is None:
+        assert compiled_after[1] == compiled_after[0] + 1 == compiled_after[2]  # one recompile, then reuse
+    else:
+        assert compiled_after[0] == compiled_after[2]  # new shapes reuse the graph
     report = graphopt.last_report()
-    assert report.summary() == {"rms_norm": 5, "rope": 2, "swiglu": 2, "linear_cross_entropy": 1}
+    expected = {"rms_norm": 5, "rope": 2, "swiglu": 2, "lora": 14, "linear_cross_entropy": 1}
+    if dynamic:
+        del expected["lora"]
+        assert len(report.misses) == 14
+        assert all(m.pattern == "lora" and "dynamic=True" in m.reason for m in report.misses)
+    assert report.summary() == expected
     assert any(isinstance(s, str) for s in report.fusions[0].shape)  # symbolic batch/sequence sizes
     assert isinstance(report.saved_for_backward["bytes"], str)  # a size expression, not one shape's number
 
@@ -139,5 +154,5 @@ def test_report_option_writes_every_format(tmp_path):
     import json
 
     data = json.loads((tmp_path / "report.json").read_text())
-    assert len(data["fusions"]) == 10 and data["misses"] == []
+    assert len(data["fusions"]) == 10 + len(adapted_layers(model)) and data["misses"] == []
     assert data["saved_for_backward"]["tensors"] > 0 and data["saved_for_backward"]["bytes"] > 0
