@@ -18,17 +18,19 @@ class Options:
     fusions: frozenset = frozenset()  # names of the enabled fusions
     report: Optional[Path] = None
     keep_logits: bool = False  # materialize the logits even when the loss is fused (training with labels)
+    memory_budget: float = 1.0  # 1: save what the fastest plan saves; 0: recompute the whole forward in the backward
 
 
 def _describe_valid(fusion_names) -> str:
     return (f"valid options: target={'|'.join(TARGETS)}; "
             f"fusions={{name: bool}} or a list of names to enable, names: {', '.join(fusion_names)}; "
-            f"report=path ending in {', '.join(REPORT_SUFFIXES)}; keep_logits=True|False")
+            f"report=path ending in {', '.join(REPORT_SUFFIXES)}; keep_logits=True|False; "
+            f"memory_budget=a number from 0 to 1")
 
 
 def parse_options(raw: dict, fusion_names) -> Options:
     fusion_names = tuple(fusion_names)
-    unknown = sorted(set(raw) - {"target", "fusions", "report", "keep_logits"})
+    unknown = sorted(set(raw) - {"target", "fusions", "report", "keep_logits", "memory_budget"})
     if unknown:
         raise OptionError(f"unknown graphopt option(s) {unknown}; {_describe_valid(fusion_names)}")
 
@@ -60,7 +62,12 @@ def parse_options(raw: dict, fusion_names) -> Options:
     keep_logits = raw.get("keep_logits", False)
     if not isinstance(keep_logits, bool):
         raise OptionError(f"keep_logits must be True or False, got {keep_logits!r}")
-    return Options(target=target, fusions=frozenset(enabled), report=report, keep_logits=keep_logits)
+    memory_budget = raw.get("memory_budget", 1.0)
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not 0 <= memory_budget <= 1:
+        raise OptionError(f"memory_budget must be a number from 0 (recompute the most) to 1 (the fastest plan), "
+                          f"got {memory_budget!r}")
+    return Options(target=target, fusions=frozenset(enabled), report=report, keep_logits=keep_logits,
+                   memory_budget=float(memory_budget))
 
 
 def _check_names(names, fusion_names):

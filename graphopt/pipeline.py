@@ -5,8 +5,8 @@
   3. fuse       subgraphs → graphopt:: ops, or a miss with a reason   passes/fuse_*.py, in passes/registry.py order
                 then the logits policy: a fused loss's logits are not computed unless keep_logits   passes/drop_logits.py
   4. autograd   aot_autograd traces forward + backward; each graphopt op brings its own backward op
-  5. partition  what the backward saves: Inductor's min-cut, free to recompute cheap pointwise results; the report
-                records it when the backward compiles
+  5. partition  what the backward saves, what it recomputes, under memory_budget     passes/recompute.py
+                the report records it when the backward compiles
   6. lower      each graphopt op → the target's implementation; the rest → Inductor (or eager)   lowering/
   7. report     everything the stages recorded                        graphopt/report.py
   8. hand back  outputs not computed become LogitsNotMaterialized      graphopt/logits.py
@@ -25,6 +25,7 @@ from graphopt.lowering import registry as lowering_registry
 from graphopt.options import Options
 from graphopt.passes.drop_logits import drop_logits
 from graphopt.passes.normalize import normalize
+from graphopt.passes.recompute import partitioner_config
 from graphopt.passes.registry import FUSIONS
 from graphopt.report import Report, publish, reports, rewrite, saved_for_backward
 
@@ -51,25 +52,17 @@ def compile_graph(gm, example_inputs, options: Options):
     publish(report, options.report)
 
     # 8. hand back
-    return hand_back(_autograd_partition_lower(gm, example_inputs, lowering, report), dropped)
+    return hand_back(_autograd_partition_lower(gm, example_inputs, lowering, report, options.memory_budget), dropped)
 
 
-# torch's min-cut partitioner never recomputes a value that a non-fusible op (a matmul, a graphopt op) reads in the
-# backward. Lifting that ban lets it recompute what is cheap from what the backward keeps anyway: the gated
-# activation's product (read by the down projection's LoRA backward) from gate and up, the normalized hidden
-# states from the norm's input, repeat_kv's copies of k and v. At the 1B shape: 15.5 → 11.4 GiB, and faster
-# (benchmarks/RESULTS.md).
-PARTITIONER_CONFIG = {"ban_recompute_materialized_backward": False}
+def _autograd_partition_lower(gm, example_inputs, lowering, report, memory_budget):
+    with torch._functorch.config.patch(partitioner_config(memory_budget)):
+        return _partition_and_lower(gm, example_inputs, lowering, report, memory_budget)
 
 
-def _autograd_partition_lower(gm, example_inputs, lowering, report):
-    with torch._functorch.config.patch(PARTITIONER_CONFIG):
-        return _partition_and_lower(gm, example_inputs, lowering, report)
-
-
-def _partition_and_lower(gm, example_inputs, lowering, report):
+def _partition_and_lower(gm, example_inputs, lowering, report, memory_budget):
     def record_saved(backward_graph):  # 5. partition, as the report sees it
-        report.saved_for_backward = saved_for_backward(backward_graph)
+        report.saved_for_backward = {"memory_budget": memory_budget, **saved_for_backward(backward_graph)}
         rewrite(report)
 
     if lowering.inductor:

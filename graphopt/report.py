@@ -91,8 +91,8 @@ class Report:
     def _saved_text(self) -> str:
         saved = self.saved_for_backward
         largest = ", ".join(f"{t['dtype']}[{', '.join(map(str, t['shape']))}] ×{t['count']}" for t in saved["largest"])
-        return (f"saved for backward: {saved['tensors']} activations, {_bytes_text(saved['bytes'])} "
-                f"(largest: {largest}); and {saved['inputs_kept']} of the graph's inputs (weights, ids), "
+        return (f"saved for backward (memory_budget {saved['memory_budget']:g}): {saved['tensors']} activations, "
+                f"{_bytes_text(saved['bytes'])} (largest: {largest}); and {saved['inputs_kept']} of the graph's inputs (weights, ids), "
                 f"{_bytes_text(saved['inputs_kept_bytes'])}")
 
     def to_html(self) -> str:

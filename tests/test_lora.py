@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import graphopt
 from graphopt import pipeline
+from graphopt.passes import recompute
 from graphopt.passes.fuse_lora import DORA_REASON, fuse_lora
 from graphopt.report import module_path
 from graphs import count_calls, first_output, relative_error, run_pass
@@ -318,7 +319,7 @@ def test_fused_lora_never_saves_an_fp32_copy_of_its_input():
 
 
 def test_partitioner_recomputes_the_gated_product_instead_of_saving_it(monkeypatch):
-    """The down projection's LoRA backward reads silu(gate)·up. The partitioner (pipeline.PARTITIONER_CONFIG)
+    """The down projection's LoRA backward reads silu(gate)·up. The partitioner (passes/recompute.py)
     recomputes it from gate and up, which the activation's own backward keeps, instead of saving a third
     [tokens × intermediate] tensor per layer; with torch's default ban it is saved."""
     def intermediate_sized(held):  # tiny llama: 2 layers, 2 × 16 tokens, intermediate 128
@@ -326,7 +327,8 @@ def test_partitioner_recomputes_the_gated_product_instead_of_saving_it(monkeypat
 
     held, _, _ = compiled_step_saves({})
     assert len(intermediate_sized(held)) == 2 * 2
-    monkeypatch.setattr(pipeline, "PARTITIONER_CONFIG", {"ban_recompute_materialized_backward": True})
+    monkeypatch.setattr(pipeline, "partitioner_config", lambda budget: {
+        **recompute.partitioner_config(budget), "ban_recompute_materialized_backward": True})
     held, _, _ = compiled_step_saves({})
     assert len(intermediate_sized(held)) == 3 * 2
 
@@ -355,4 +357,4 @@ def test_report_counts_what_the_forward_saves_and_lora_drops_the_fp32_copies():
     assert "float32" in [t["dtype"] for t in unfused["largest"]]
     assert "float32" not in [t["dtype"] for t in fused["largest"]]
     assert fused["bytes"] < unfused["bytes"]
-    assert "saved for backward: " in graphopt.last_report().to_text()
+    assert "saved for backward (memory_budget 1): " in graphopt.last_report().to_text()

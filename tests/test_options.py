@@ -173,3 +173,15 @@ def test_compile_target_cuda_on_cpu_tensors(fresh_dynamo):
     msg = str(err)
     assert isinstance(err, torch._dynamo.exc.BackendCompilerFailed)
     assert "target='cuda'" in msg and "'cpu'" in msg
+
+
+@pytest.mark.parametrize("budget", [0, 0.3, 1])
+def test_memory_budget_accepts_zero_to_one(budget):
+    assert parse_options({"memory_budget": budget}, NAMES).memory_budget == budget
+    assert parse_options({}, NAMES).memory_budget == 1.0
+
+
+@pytest.mark.parametrize("budget", [-0.1, 1.5, "auto", True, None])
+def test_memory_budget_outside_zero_to_one_is_an_error(budget):
+    with pytest.raises(OptionError, match="memory_budget must be a number from 0"):
+        parse_options({"memory_budget": budget}, NAMES)
