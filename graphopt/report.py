@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch.utils.flop_counter import flop_registry
 
 SCHEMA_VERSION = 1
 
@@ -83,6 +84,10 @@ class Report:
                   for r in self.lowering]
         if self.saved_for_backward:
             lines.append(self._saved_text())
+            lines.append("  per layer: saved / recomputed in the backward (FLOPs of the recompute)")
+            lines += [f"    {layer:<48} {_bytes_text(e['saved_bytes'])} / {_bytes_text(e['recomputed_bytes'])} "
+                      f"({_flops_text(e['recomputed_flops'])})"
+                      for layer, e in self.saved_for_backward["per_layer"].items()]
         if self.notes:
             lines.append("notes")
             lines += [f"  {note}" for note in self.notes]
@@ -93,7 +98,9 @@ class Report:
         largest = ", ".join(f"{t['dtype']}[{', '.join(map(str, t['shape']))}] ×{t['count']}" for t in saved["largest"])
         return (f"saved for backward (memory_budget {saved['memory_budget']:g}): {saved['tensors']} activations, "
                 f"{_bytes_text(saved['bytes'])} (largest: {largest}); and {saved['inputs_kept']} of the graph's inputs (weights, ids), "
-                f"{_bytes_text(saved['inputs_kept_bytes'])}")
+                f"{_bytes_text(saved['inputs_kept_bytes'])}; recomputed in the backward: "
+                f"{saved['recomputed']['ops']} ops writing {_bytes_text(saved['recomputed']['bytes'])}, "
+                f"{_flops_text(saved['recomputed']['flops'])}")
 
     def to_html(self) -> str:
         def table(title, records, with_reason):
@@ -138,18 +145,40 @@ def _bytes_text(n) -> str:
     return f"{n / 2**20:,.1f} MiB" if isinstance(n, int) else f"{n} bytes"
 
 
+def _flops_text(n) -> str:
+    return f"{n / 1e9:,.3f} GFLOP" if isinstance(n, int) else f"{n} FLOP"
+
+
 def saved_for_backward(backward: torch.fx.GraphModule, largest: int = 5) -> dict:
     """What a compiled backward graph reads that the forward saved: its tensor inputs except the incoming
     gradients (aot_autograd names those tangents_*), split into activations (made by the forward: the memory
-    that saving costs) and the forward's own inputs it keeps (primals_*: weights, ids — alive anyway). Sizes are
-    ints, or sympy text under dynamic shapes."""
+    that saving costs) and the forward's own inputs it keeps (primals_*: weights, ids — alive anyway); and what
+    it recomputes of the forward instead (the partitioner tags those nodes is_forward): bytes written and FLOPs.
+    Per layer (the module path up to its index in a ModuleList, e.g. model.layers.3): the same. Sizes are ints,
+    or sympy text under dynamic shapes."""
     tensors = [node for node in backward.graph.nodes if node.op == "placeholder"
                and not node.name.startswith("tangents") and isinstance(node.meta.get("val"), torch.Tensor)]
-    saved = [node.meta["val"] for node in tensors if not node.name.startswith("primals")]
+    saved_nodes = [node for node in tensors if not node.name.startswith("primals")]
+    saved = [node.meta["val"] for node in saved_nodes]
     inputs = [node.meta["val"] for node in tensors if node.name.startswith("primals")]
+    per_layer = {}
+
+    def add(node, key, amount):
+        entry = per_layer.setdefault(_layer(node), {"saved_bytes": 0, "recomputed_bytes": 0, "recomputed_flops": 0})
+        entry[key] = entry[key] + amount
+
+    recomputed = [node for node in backward.graph.nodes
+                  if node.op == "call_function" and node.meta.get("partitioner_tag") == "is_forward"]
+    recomputed_bytes = recomputed_flops = 0
+    for node in recomputed:
+        written, flops = _bytes_written(node), _flops(node)
+        recomputed_bytes, recomputed_flops = recomputed_bytes + written, recomputed_flops + flops
+        add(node, "recomputed_bytes", written)
+        add(node, "recomputed_flops", flops)
     total, groups = 0, {}
-    for t in saved:
+    for node, t in zip(saved_nodes, saved):
         size = t.numel() * t.element_size()
+        add(node, "saved_bytes", size)
         total = total + size
         key = (str(t.dtype).replace("torch.", ""), tuple(int(s) if isinstance(s, int) else str(s) for s in t.shape))
         count, group_bytes = groups.get(key, (0, 0))
@@ -158,7 +187,45 @@ def saved_for_backward(backward: torch.fx.GraphModule, largest: int = 5) -> dict
     inputs_bytes = sum(t.numel() * t.element_size() for t in inputs)
     return {"tensors": len(saved), "bytes": _plain(total), "inputs_kept": len(inputs),
             "inputs_kept_bytes": _plain(inputs_bytes),
-            "largest": [{"dtype": d, "shape": list(s), "count": c, "bytes": _plain(b)} for (d, s), (c, b) in ranked]}
+            "largest": [{"dtype": d, "shape": list(s), "count": c, "bytes": _plain(b)} for (d, s), (c, b) in ranked],
+            "recomputed": {"ops": len(recomputed), "bytes": _plain(recomputed_bytes),
+                           "flops": _plain(recomputed_flops)},
+            "per_layer": {layer: {k: _plain(v) for k, v in per_layer[layer].items()}
+                          for layer in sorted(per_layer, key=_natural)}}
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def _natural(path: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def _layer(node: torch.fx.Node) -> str:
+    """The module path up to the first index into a ModuleList (one decoder layer), else the whole path."""
+    path = module_path(node)
+    match = _LAYER.match(path)
+    return match.group(1) if match else path
+
+
+def _bytes_written(node: torch.fx.Node):
+    """Bytes of the tensors a node creates (views create none)."""
+    if getattr(node.target, "is_view", False):
+        return 0
+    values = node.meta.get("val")
+    values = values if isinstance(values, (tuple, list)) else [values]
+    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
+
+
+def _flops(node: torch.fx.Node):
+    """FLOPs of a node from torch's FLOP formulas (matmuls, attention, and graphopt's in passes/recompute.py);
+    0 for the rest (pointwise, reductions: memory-bound)."""
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if formula is None:
+        return 0
+    args, kwargs = torch.utils._pytree.tree_map(
+        lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, (node.args, node.kwargs))
+    return formula(*args, out_val=node.meta.get("val"), **kwargs)
 
 
 def _plain(n):

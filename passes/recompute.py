@@ -51,7 +51,7 @@ def _lora_linear_flops(x_shape, weight_shape, bias_shape, lora_a_shape, lora_b_s
 
 
 @register_flop_formula(torch.ops.graphopt.linear_cross_entropy)
-def _linear_cross_entropy_flops(hidden_shape, weight_shape, *args, out_shape=None, **kwargs):
+def _linear_cross_entropy_flops(hidden_shape, weight_shape, bias_shape, target_shape, ignore_index, reduction,
+                                softcap, chunk_rows, grad_hidden, grad_weight, **kwargs):
     rows, (vocab, hidden) = hidden_shape[0], weight_shape
-    gradients = sum(1 for shape in out_shape[1:] if shape[0] > 0)  # d_hidden and d_weight, when asked for
-    return 2 * rows * vocab * hidden * (1 + gradients)
+    return 2 * rows * vocab * hidden * (1 + grad_hidden + grad_weight)  # logits, then each gradient asked for

@@ -2,6 +2,7 @@
 more, the report's saved_for_backward is what autograd holds, and the knapsack's cost model prices graphopt ops
 by their matmuls."""
 
+import peft
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -39,8 +40,17 @@ def test_every_budget_matches_eager_and_a_smaller_one_saves_less(arch):
         assert grads.keys() == eager_grads.keys()
         assert all(relative_error(grads[n], eager_grads[n]) <= 1e-5 for n in grads), budget
         assert report["memory_budget"] == budget
-        saved.append(report["bytes"])
-    assert saved[0] > saved[1] > saved[2] == 0  # budget 0 keeps only the graph's inputs
+        assert sum(layer["saved_bytes"] for layer in report["per_layer"].values()) == report["bytes"]
+        assert sum(layer["recomputed_bytes"] for layer in report["per_layer"].values()) == report["recomputed"]["bytes"]
+        assert {f"base_model.model.model.layers.{i}" for i in range(2)} <= report["per_layer"].keys()
+        saved.append(report)
+    assert saved[0]["bytes"] > saved[1]["bytes"] > saved[2]["bytes"] == 0  # budget 0 keeps only the graph's inputs
+    recomputed = [report["recomputed"] for report in saved]
+    assert recomputed[0]["bytes"] < recomputed[1]["bytes"] < recomputed[2]["bytes"]
+    # budget 0 recomputes the whole forward: at least every adapted base matmul
+    base_matmuls = sum(2 * ids.numel() * m.base_layer.weight.numel() for m in model.modules()
+                       if isinstance(m, peft.tuners.lora.LoraLayer))
+    assert recomputed[2]["flops"] >= base_matmuls > recomputed[0]["flops"]
 
 
 def test_report_at_a_budget_counts_what_autograd_holds():
