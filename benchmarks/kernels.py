@@ -19,7 +19,7 @@ Variants, each timed forward + backward (torch.autograd.grad with a fixed random
   graphopt-op  torch.ops.graphopt.<op> called eagerly with its registered backward: on CUDA the Triton kernels of
                lowering/cuda.py (rms_norm, gated_activation, rope, linear_cross_entropy), the reference matmuls
                for lora_linear
-  graphopt     torch.compile(unfused, backend="graphopt", options={"fusions": {"lora": True}}): what users get
+  graphopt     torch.compile(unfused, backend="graphopt"): what users get
 Time: median GPU time over --reps runs (CUDA events), L2 flushed before each run, the GPU kept busy while Python
 enqueues the run so launch overhead is not counted (inside a model the CPU runs ahead of the GPU). Memory: peak
 allocated during one forward + backward minus what was allocated before it ("peak extra"), and what the forward
@@ -55,7 +55,6 @@ DTYPE, ADAPTER_DTYPE = torch.bfloat16, torch.float32
 H200_GBPS = 4300  # measured copy bandwidth of the H200, the ceiling for memory-bound ops
 MAX_REL_ERR = 2e-2  # bf16
 VARIANTS = ("eager", "inductor", "graphopt-op", "graphopt")
-GRAPHOPT_OPTIONS = {"fusions": {"lora": True}}
 OPS = ("rms_norm", "gated_activation", "lora_linear", "rope", "linear_cross_entropy")
 
 
@@ -205,7 +204,7 @@ def build(variant, case):
     torch._dynamo.reset()
     if variant == "inductor":
         return torch.compile(case.unfused, fullgraph=True)
-    return torch.compile(case.unfused, backend="graphopt", options=GRAPHOPT_OPTIONS, fullgraph=True)
+    return torch.compile(case.unfused, backend="graphopt", fullgraph=True)
 
 
 def fwd_bwd(fn, case):

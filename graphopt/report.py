@@ -97,8 +97,8 @@ class Report:
         saved = self.saved_for_backward
         largest = ", ".join(f"{t['dtype']}[{', '.join(map(str, t['shape']))}] ×{t['count']}" for t in saved["largest"])
         return (f"saved for backward (memory_budget {saved['memory_budget']:g}): {saved['tensors']} activations, "
-                f"{_bytes_text(saved['bytes'])} (largest: {largest}); and {saved['inputs_kept']} of the graph's inputs (weights, ids), "
-                f"{_bytes_text(saved['inputs_kept_bytes'])}; recomputed in the backward: "
+                f"{_bytes_text(saved['bytes'])} (largest: {largest}); and {saved['inputs_kept']} of the graph's "
+                f"inputs (weights, ids), {_bytes_text(saved['inputs_kept_bytes'])}; recomputed in the backward: "
                 f"{saved['recomputed']['ops']} ops writing {_bytes_text(saved['recomputed']['bytes'])}, "
                 f"{_flops_text(saved['recomputed']['flops'])}")
 

@@ -5,8 +5,8 @@ adapter dtype — the upcast of x, x·Aᵀ, ·Bᵀ, the scaling, the add, the ca
 runs in three Triton kernels that read each large tensor once and keep fp32 values in registers, never in
 memory: no fp32 copy of x or of the output exists, saved or transient. The rank-r products are fp32 `tl.dot`s
 in "tf32x3": three TF32 tensor-core products that carry fp32's accuracy (PEFT's fp32 matmuls run without TF32);
-plain fp32 "ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (4x slower on
-the H200, benchmarks/RESULTS.md).
+plain fp32 "ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (2.4x slower in
+the 1B step on the H200, benchmarks/RESULTS.md).
 """
 
 import torch
@@ -80,8 +80,8 @@ def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, st
 # tf32x3 on NVIDIA; the CPU interpreter ignores the precision and multiplies in fp32.
 PRECISION = "tf32x3"
 
-# Launch configurations per device type. CUDA: the best of the sweep at the Llama-3.2-1B shapes on the H200
-# (benchmarks/RESULTS.md); CPU (the interpreter): large blocks, so that its Python-level loops are few.
+# Launch configurations per device type. CUDA: the best of benchmarks/lora_configs.py at the Llama-3.2-1B shapes
+# on the H200 (benchmarks/RESULTS.md); CPU (the interpreter): large blocks, so that its Python-level loops are few.
 CONFIGS = {
     "cuda": {
         "project": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),

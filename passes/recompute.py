@@ -20,8 +20,6 @@ import torch
 import torch._functorch.config
 from torch.utils.flop_counter import register_flop_formula
 
-import graphopt.lowering.ops  # noqa: F401  (defines torch.ops.graphopt.*)
-
 
 def partitioner_config(memory_budget: float) -> dict:
     """torch._functorch.config settings for one compile: torch._functorch.config.patch(partitioner_config(b))."""
