@@ -56,19 +56,21 @@ LEARNING_RATE = 1e-4
 MODEL_SEED = 0
 DATA_SEED = 1234
 
-# Llama-3.2-1B's shape, and a tiny one for a CPU smoke test.
+# Llama-3.2-1B's shape (tied embeddings), Llama-3-8B's (untied), and a tiny one for a CPU smoke test.
 SHAPES = {
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=8192, vocab_size=128256, rms_norm_eps=1e-5),
+               intermediate_size=8192, vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=128, rms_norm_eps=1e-5),
+                 intermediate_size=128, vocab_size=128, rms_norm_eps=1e-5, tie_word_embeddings=True),
 }
 
 
 def llama_config(shape):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=131072,
+    return LlamaConfig(**SHAPES[shape], max_position_embeddings=131072,
                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
 
 
@@ -262,6 +264,15 @@ def run(args):
         loss = train_step(forward, optimizer, input_ids)
     synchronize(device)
     seconds = time.perf_counter() - start
+    peak_alloc = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    estimated_peak = None
+    if args.variant == "graphopt" and graphopt.last_report().saved_for_backward:
+        estimate = graphopt.last_report().saved_for_backward["estimate"]
+        estimated_peak = estimate["estimated_peak_bytes"]
+        if peak_alloc is not None:
+            graphopt.record_measured_peak(peak_alloc)
+            print(next(line for line in graphopt.last_report().to_text().splitlines() if "estimated peak" in line),
+                  file=sys.stderr)
     if args.profile:
         profile_steps(forward, optimizer, input_ids, device, args.profile)
 
@@ -277,7 +288,9 @@ def run(args):
         "warmup": args.warmup,
         "tokens_per_s": args.batch * args.seq * args.steps / seconds,
         "step_ms": 1000 * seconds / args.steps,
-        "peak_alloc_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_alloc_gib": peak_alloc / 2**30 if peak_alloc is not None else None,
+        # graphopt's estimate of what its compiled graphs hold at their peak (the report's), beside the measure
+        "estimated_peak_gib": estimated_peak / 2**30 if isinstance(estimated_peak, int) else estimated_peak,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
         "first_loss": first_loss,
         "loss": loss.item(),

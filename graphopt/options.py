@@ -18,19 +18,24 @@ class Options:
     fusions: frozenset = frozenset()  # names of the enabled fusions
     report: Optional[Path] = None
     keep_logits: bool = False  # materialize the logits even when the loss is fused (training with labels)
-    memory_budget: float = 1.0  # 1: save what the fastest plan saves; 0: recompute the whole forward in the backward
+    # 1: save what the fastest plan saves; 0: save each decoder layer's input only, recompute the rest layer by
+    # layer; "auto": the fastest plan whose estimated peak fits max_memory_gib (passes/recompute.py)
+    memory_budget: object = 1.0
+    offload: bool = False  # saved activations go to pinned host memory, prefetched back (passes/offload.py)
+    max_memory_gib: Optional[float] = None  # with memory_budget="auto": the device memory the step may use
 
 
 def _describe_valid(fusion_names) -> str:
     return (f"valid options: target={'|'.join(TARGETS)}; "
             f"fusions={{name: bool}} or a list of names to enable, names: {', '.join(fusion_names)}; "
             f"report=path ending in {', '.join(REPORT_SUFFIXES)}; keep_logits=True|False; "
-            f"memory_budget=a number from 0 to 1")
+            f"memory_budget=a number from 0 to 1, or \"auto\" with max_memory_gib=N; offload=True|False")
 
 
 def parse_options(raw: dict, fusion_names) -> Options:
     fusion_names = tuple(fusion_names)
-    unknown = sorted(set(raw) - {"target", "fusions", "report", "keep_logits", "memory_budget"})
+    unknown = sorted(set(raw) - {"target", "fusions", "report", "keep_logits", "memory_budget", "offload",
+                                "max_memory_gib"})
     if unknown:
         raise OptionError(f"unknown graphopt option(s) {unknown}; {_describe_valid(fusion_names)}")
 
@@ -62,12 +67,27 @@ def parse_options(raw: dict, fusion_names) -> Options:
     keep_logits = raw.get("keep_logits", False)
     if not isinstance(keep_logits, bool):
         raise OptionError(f"keep_logits must be True or False, got {keep_logits!r}")
-    memory_budget = raw.get("memory_budget", 1.0)
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or not 0 <= memory_budget <= 1:
-        raise OptionError(f"memory_budget must be a number from 0 (recompute the most) to 1 (the fastest plan), "
-                          f"got {memory_budget!r}")
+    memory_budget, max_memory_gib = _memory_budget(raw.get("memory_budget", 1.0), raw.get("max_memory_gib"))
+    offload = raw.get("offload", False)
+    if not isinstance(offload, bool):
+        raise OptionError(f"offload must be True or False, got {offload!r}")
     return Options(target=target, fusions=frozenset(enabled), report=report, keep_logits=keep_logits,
-                   memory_budget=float(memory_budget))
+                   memory_budget=memory_budget, offload=offload, max_memory_gib=max_memory_gib)
+
+
+def _memory_budget(budget, max_memory_gib):
+    if budget == "auto":
+        if isinstance(max_memory_gib, bool) or not isinstance(max_memory_gib, (int, float)) or max_memory_gib <= 0:
+            raise OptionError(f"memory_budget=\"auto\" needs max_memory_gib=N, the device memory in GiB the "
+                              f"training step may use (e.g. 20), got max_memory_gib={max_memory_gib!r}")
+        return "auto", float(max_memory_gib)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+        raise OptionError(f"memory_budget must be a number from 0 (recompute the most) to 1 (the fastest plan), "
+                          f"or \"auto\" with max_memory_gib, got {budget!r}")
+    if max_memory_gib is not None:
+        raise OptionError(f"max_memory_gib={max_memory_gib!r} is used only with memory_budget=\"auto\"; "
+                          f"with memory_budget={budget!r} leave it out")
+    return float(budget), None
 
 
 def _check_names(names, fusion_names):

@@ -5,18 +5,17 @@
   3. fuse       subgraphs → graphopt:: ops, or a miss with a reason   passes/fuse_*.py, in passes/registry.py order
                 then the logits policy: a fused loss's logits are not computed unless keep_logits   passes/drop_logits.py
   4. autograd   aot_autograd traces forward + backward; each graphopt op brings its own backward op
-  5. partition  what the backward saves, what it recomputes, under memory_budget     passes/recompute.py
-                the report records it when the backward compiles
+  5. partition  what the backward saves, recomputes or offloads, under memory_budget  passes/recompute.py
+                and its peak memory estimate; the report records it      passes/offload.py, passes/memory.py
   6. lower      each graphopt op → the target's implementation; the rest → Inductor (or eager)   lowering/
   7. report     everything the stages recorded                        graphopt/report.py
   8. hand back  outputs not computed become LogitsNotMaterialized      graphopt/logits.py
 """
 
-import torch._functorch.config
+import torch._inductor.config
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch._inductor.compile_fx import compile_fx
 from torch._inductor.decomposition import select_decomp_table
 
 from graphopt.devices import resolve_target
@@ -25,9 +24,9 @@ from graphopt.lowering import registry as lowering_registry
 from graphopt.options import Options
 from graphopt.passes.drop_logits import drop_logits
 from graphopt.passes.normalize import normalize
-from graphopt.passes.recompute import partitioner_config
+from graphopt.passes.recompute import Partitioner
 from graphopt.passes.registry import FUSIONS
-from graphopt.report import Report, publish, reports, rewrite, saved_for_backward
+from graphopt.report import Report, publish, reports, rewrite
 
 
 def compile_graph(gm, example_inputs, options: Options):
@@ -52,37 +51,25 @@ def compile_graph(gm, example_inputs, options: Options):
     publish(report, options.report)
 
     # 8. hand back
-    return hand_back(_autograd_partition_lower(gm, example_inputs, lowering, report, options.memory_budget), dropped)
+    return hand_back(_autograd_partition_lower(gm, example_inputs, lowering, report, options), dropped)
 
 
-def _autograd_partition_lower(gm, example_inputs, lowering, report, memory_budget):
-    with torch._functorch.config.patch(partitioner_config(memory_budget)):
-        return _partition_and_lower(gm, example_inputs, lowering, report, memory_budget)
-
-
-def _partition_and_lower(gm, example_inputs, lowering, report, memory_budget):
-    def record_saved(backward_graph):  # 5. partition, as the report sees it
-        report.saved_for_backward = {"memory_budget": memory_budget, **saved_for_backward(backward_graph)}
+def _autograd_partition_lower(gm, example_inputs, lowering, report, options):
+    def record_partition(decision):  # 5. partition, as the report sees it
+        report.saved_for_backward = decision
         rewrite(report)
 
+    partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib, record_partition)
     if lowering.inductor:
-        def inner_compile(graph, inputs, **kwargs):
-            if kwargs.get("is_backward"):
-                record_saved(graph)
-            return compile_fx_inner(graph, inputs, **kwargs)
-
-        # compile_fx runs aot_autograd, Inductor's joint-graph passes and min-cut partitioner, then its codegen.
+        # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.
         decompositions = {**select_decomp_table(), **lowering.decompositions}
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile, decompositions=decompositions)
-
-    def backward_compiler(graph, inputs):
-        record_saved(graph)
-        return boxed_nop(graph, inputs)
+        with torch._inductor.config.patch(custom_partitioner_fn=partitioner):
+            return compile_fx(gm, example_inputs, decompositions=decompositions)
 
     return aot_autograd(
         fw_compiler=boxed_nop,
-        bw_compiler=backward_compiler,
-        partition_fn=min_cut_rematerialization_partition,
+        bw_compiler=boxed_nop,
+        partition_fn=partitioner,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)

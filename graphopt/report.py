@@ -48,7 +48,8 @@ class Report:
     misses: list = field(default_factory=list)
     lowering: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # plain sentences: policies applied (e.g. logits not materialized)
-    # What the forward keeps for the backward, known once the backward is compiled (at the first backward call)
+    # What the forward keeps for the backward, recomputes or offloads, and the estimated peak: set by the
+    # partitioner when the forward compiles (docs/report-schema.md)
     saved_for_backward: Optional[dict] = None
 
     def to_json(self) -> dict:
@@ -84,14 +85,41 @@ class Report:
                   for r in self.lowering]
         if self.saved_for_backward:
             lines.append(self._saved_text())
-            lines.append("  per layer: saved / recomputed in the backward (FLOPs of the recompute)")
-            lines += [f"    {layer:<48} {_bytes_text(e['saved_bytes'])} / {_bytes_text(e['recomputed_bytes'])} "
-                      f"({_flops_text(e['recomputed_flops'])})"
+            lines += self._memory_lines()
+            offload = self.saved_for_backward.get("offload")
+            lines.append("  per layer: saved" + (" (of which offloaded)" if offload else "")
+                         + " / recomputed in the backward (FLOPs of the recompute)")
+            lines += [f"    {layer:<48} {_bytes_text(e['saved_bytes'])}"
+                      + (f" ({_bytes_text(e.get('offloaded_bytes', 0))})" if offload else "")
+                      + f" / {_bytes_text(e['recomputed_bytes'])} ({_flops_text(e['recomputed_flops'])})"
                       for layer, e in self.saved_for_backward["per_layer"].items()]
         if self.notes:
             lines.append("notes")
             lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
+
+    def _memory_lines(self) -> list:
+        saved, lines = self.saved_for_backward, []
+        auto = saved.get("auto")
+        if auto:
+            tried = ", ".join(f"{t['memory_budget']:g}{' + offload' if t['offload'] else ''} → "
+                              f"{_bytes_text(t['estimated_peak_bytes'])}" for t in auto["tried"])
+            lines.append(f"  memory_budget auto, max_memory_gib {auto['max_memory_gib']:g}: chose "
+                         f"{saved['memory_budget']:g}{' with offload' if auto['offload'] else ''} (tried {tried})")
+        offload = saved.get("offload")
+        if offload:
+            kept = "; ".join(f"{k['tensors']} {k['reason']} ({_bytes_text(k['bytes'])})" for k in offload["kept"])
+            lines.append(f"  offloaded to host memory: {offload['tensors']} activations, "
+                         f"{_bytes_text(offload['bytes'])}" + ("" if offload["copies_made"] else
+                                                               " (planned only: the target is the host itself)")
+                         + (f"; kept on the device: {kept}" if kept else ""))
+        estimate = saved["estimate"]
+        measured = estimate.get("measured_peak_bytes")
+        lines.append(f"  estimated peak of the step: {_bytes_text(estimate['estimated_peak_bytes'])} (forward "
+                     f"{_bytes_text(estimate['forward_peak_bytes'])}, backward "
+                     f"{_bytes_text(estimate['backward_peak_bytes'])})"
+                     + (f"; measured {_bytes_text(measured)}" if measured is not None else ""))
+        return lines
 
     def _saved_text(self) -> str:
         saved = self.saved_for_backward
@@ -164,7 +192,7 @@ def saved_for_backward(backward: torch.fx.GraphModule, largest: int = 5) -> dict
     per_layer = {}
 
     def add(node, key, amount):
-        entry = per_layer.setdefault(_layer(node), {"saved_bytes": 0, "recomputed_bytes": 0, "recomputed_flops": 0})
+        entry = per_layer.setdefault(layer_of(node), {"saved_bytes": 0, "recomputed_bytes": 0, "recomputed_flops": 0})
         entry[key] = entry[key] + amount
 
     recomputed = [node for node in backward.graph.nodes
@@ -183,14 +211,14 @@ def saved_for_backward(backward: torch.fx.GraphModule, largest: int = 5) -> dict
         key = (str(t.dtype).replace("torch.", ""), tuple(int(s) if isinstance(s, int) else str(s) for s in t.shape))
         count, group_bytes = groups.get(key, (0, 0))
         groups[key] = (count + 1, group_bytes + size)
-    ranked = sorted(groups.items(), key=lambda kv: _sortable(kv[1][1]), reverse=True)[:largest]
+    ranked = sorted(groups.items(), key=lambda kv: size_hint(kv[1][1]), reverse=True)[:largest]
     inputs_bytes = sum(t.numel() * t.element_size() for t in inputs)
-    return {"tensors": len(saved), "bytes": _plain(total), "inputs_kept": len(inputs),
-            "inputs_kept_bytes": _plain(inputs_bytes),
-            "largest": [{"dtype": d, "shape": list(s), "count": c, "bytes": _plain(b)} for (d, s), (c, b) in ranked],
-            "recomputed": {"ops": len(recomputed), "bytes": _plain(recomputed_bytes),
-                           "flops": _plain(recomputed_flops)},
-            "per_layer": {layer: {k: _plain(v) for k, v in per_layer[layer].items()}
+    return {"tensors": len(saved), "bytes": plain(total), "inputs_kept": len(inputs),
+            "inputs_kept_bytes": plain(inputs_bytes),
+            "largest": [{"dtype": d, "shape": list(s), "count": c, "bytes": plain(b)} for (d, s), (c, b) in ranked],
+            "recomputed": {"ops": len(recomputed), "bytes": plain(recomputed_bytes),
+                           "flops": plain(recomputed_flops)},
+            "per_layer": {layer: {k: plain(v) for k, v in per_layer[layer].items()}
                           for layer in sorted(per_layer, key=_natural)}}
 
 
@@ -201,7 +229,12 @@ def _natural(path: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
 
 
-def _layer(node: torch.fx.Node) -> str:
+def is_layer(path: str) -> bool:
+    """Whether a layer_of() path is one element of a ModuleList (a decoder layer)."""
+    return _LAYER.match(path) is not None
+
+
+def layer_of(node: torch.fx.Node) -> str:
     """The module path up to the first index into a ModuleList (one decoder layer), else the whole path."""
     path = module_path(node)
     match = _LAYER.match(path)
@@ -228,11 +261,11 @@ def _flops(node: torch.fx.Node):
     return formula(*args, out_val=node.meta.get("val"), **kwargs)
 
 
-def _plain(n):
+def plain(n):
     return n if isinstance(n, int) else str(n)  # a SymInt as its expression, never specialized
 
 
-def _sortable(n):
+def size_hint(n):
     if isinstance(n, int):
         return n
     hint = getattr(getattr(n, "node", None), "hint", None)  # symbolic: order by its hint, adding no guard
@@ -322,6 +355,17 @@ def rewrite(report: Report) -> None:
     path = _PATH_OF.get(id(report))
     if path is not None:
         report.write(path)
+
+
+def record_measured_peak(peak_bytes: int, report: Optional[Report] = None) -> None:
+    """Put a measured peak (e.g. torch.cuda.max_memory_allocated() over training steps) beside the estimate
+    in a report (default: the last one), and write the report again where it was written."""
+    report = report or last_report()
+    if not report.saved_for_backward:
+        raise RuntimeError("this graph has no backward, so no memory estimate to compare with: measure a "
+                           "training step (forward and backward) of a model compiled with backend='graphopt'")
+    report.saved_for_backward["estimate"]["measured_peak_bytes"] = int(peak_bytes)
+    rewrite(report)
 
 
 def last_report() -> Report:

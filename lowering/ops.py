@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from graphopt.kernels import reference
+from graphopt.lowering import transfer
 
 
 # --- rms_norm -------------------------------------------------------------------------------------------
@@ -326,6 +327,31 @@ def _linear_ce_grad(ctx, grad_loss, _d_hidden, _d_weight):
 
 
 linear_cross_entropy.register_autograd(_linear_ce_grad, setup_context=_linear_ce_setup_context)
+
+
+# --- offload / reload: saved activations to host memory and back (inserted by passes/offload.py) -----------
+
+@torch.library.custom_op("graphopt::offload", mutates_args=())
+def offload(x: Tensor) -> Tensor:
+    """A contiguous copy of x in host memory (pinned, copied on a side stream: lowering/transfer.py)."""
+    return transfer.offload(x)
+
+
+@offload.register_fake
+def _offload_fake(x):
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+@torch.library.custom_op("graphopt::reload", mutates_args=())
+def reload(host: Tensor, device: torch.device, prefetch: list[Tensor]) -> Tensor:
+    """host's copy on device, once the compute stream may read it; then starts copying `prefetch` (host tensors
+    the backward reloads next) so they are there before they are needed."""
+    return transfer.reload(host, device, prefetch)
+
+
+@reload.register_fake
+def _reload_fake(host, device, prefetch):
+    return torch.empty(host.shape, dtype=host.dtype, device=device)
 
 
 # Forward op → its backward op, for the report and the lowerings.

@@ -1,10 +1,16 @@
-"""What the backward saves and what it recomputes, under `memory_budget` (0..1).
+"""Partition: what the backward saves, recomputes or offloads, under `memory_budget` (0..1 or "auto").
 
 The decision is torch's: aot_autograd's min-cut partitioner, and under a budget below 1 its 0-1 knapsack
 (`torch._functorch.config.activation_memory_budget`), which picks the cheapest values to recompute until the saved
-activations fit budget × (what the fastest plan saves). 1 is the fastest plan; 0 keeps only the graph's inputs
-and recomputes the whole forward. What torch lacks and this module adds:
+activations fit between the least it can save (budget 0) and what the fastest plan saves (budget 1). Partitioner
+below is the partition function graphopt hands to aot_autograd: it runs torch's under the chosen budget, then
+plans the offload (passes/offload.py) and estimates the step's peak (passes/memory.py). What torch lacks and
+this module adds:
 
+- layer boundaries. Below budget 1 the inputs of every decoder layer are saved (save_layer_inputs), so 0 means
+  per-layer checkpointing: each layer's backward recomputes that layer's forward only, and what is saved is the
+  residual stream at each layer's input, which offload=True then moves to host memory.
+- memory_budget="auto" with max_memory_gib: the fastest plan whose estimated peak fits (Partitioner._choose).
 - graphopt ops as candidates with a cost. torch bans recomputing any op it does not know; here every graphopt op
   is a candidate, priced by the FLOP formulas below (the knapsack's "flops" estimator): the fused LoRA linear and
   the fused loss cost their matmuls, so they are recomputed last; RMSNorm, RoPE and the gated activation have no
@@ -18,15 +24,125 @@ and recomputes the whole forward. What torch lacks and this module adds:
 
 import torch
 import torch._functorch.config
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import register_flop_formula
+
+from graphopt.passes import offload as offload_pass
+from graphopt.passes.memory import estimate_peak
+from graphopt.report import is_layer, layer_of, saved_for_backward, size_hint
+
+GIB = 2**30
+AUTO_STEPS = 4  # bisection steps of memory_budget="auto" between 0 and 1: a budget within 1/16 of the best
+
+
+class Partitioner(CustomPartitionerFn):
+    """aot_autograd's partition function for one compile (Inductor's custom_partitioner_fn, or aot_autograd's
+    partition_fn without Inductor): torch's min-cut partitioner under the chosen budget, then the offload plan.
+    on_partitioned(decision: dict) receives what the report shows."""
+
+    def __init__(self, memory_budget, offload: bool, max_memory_gib, on_partitioned):
+        self.memory_budget, self.offload, self.max_memory_gib = memory_budget, offload, max_memory_gib
+        self.on_partitioned = on_partitioned
+
+    def __call__(self, joint, joint_inputs, **kwargs):
+        if self.memory_budget == "auto":
+            chosen, tried = self._choose(joint, joint_inputs, kwargs)
+        else:
+            chosen, tried = self._plan(joint, joint_inputs, kwargs, self.memory_budget, self.offload), []
+        budget, offload, (forward, backward), plan, estimate = chosen
+        decision = {"memory_budget": budget, "requested": self.memory_budget,
+                    **saved_for_backward(backward), "estimate": estimate.to_json(),
+                    "offload": None}
+        if plan is not None:
+            decision["offload"] = plan.to_json(layers=decision["per_layer"])
+            if plan.moves_data:
+                offload_pass.insert_transfers(forward, backward, plan)
+        if self.memory_budget == "auto":
+            decision["auto"] = {"max_memory_gib": self.max_memory_gib, "offload": offload,
+                                "tried": [{"memory_budget": b, "offload": o, "estimated_peak_bytes": e}
+                                          for b, o, e in tried]}
+        self.on_partitioned(decision)
+        return forward, backward
+
+    def _plan(self, joint, joint_inputs, kwargs, budget, offload):
+        """(budget, offload, (forward, backward), offload plan or None, memory estimate) for one setting, made
+        on a copy of the joint graph (the partitioner edits the graph it is given)."""
+        joint = _copy(joint)
+        if budget < 1:
+            save_layer_inputs(joint)
+        with torch._functorch.config.patch(partitioner_config(budget)):
+            graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        plan = offload_pass.plan_offload(*graphs, kwargs["num_fwd_outputs"]) if offload else None
+        estimate = estimate_peak(*graphs, offloaded=plan.offloaded if plan else ())
+        return budget, offload, graphs, plan, estimate
+
+    def _choose(self, joint, joint_inputs, kwargs):
+        """memory_budget="auto": the fastest plan whose estimated peak fits max_memory_gib. The fastest is
+        budget 1; then the largest budget that fits (bisection); then budget 0 with offload. Nothing fits:
+        budget 0 with offload, the leanest there is, and the report says by how much it misses."""
+        limit, tried = self.max_memory_gib * GIB, []
+
+        def attempt(budget, offload=False):
+            plan = self._plan(joint, joint_inputs, kwargs, budget, offload)
+            tried.append((budget, offload, size_hint(plan[-1].peak)))
+            return plan, size_hint(plan[-1].peak) <= limit
+
+        best, fits = attempt(1.0)
+        if fits:
+            return best, tried
+        lowest, fits = attempt(0.0)
+        if not fits:
+            return attempt(0.0, offload=True)[0], tried
+        best, low, high = lowest, 0.0, 1.0
+        for _ in range(AUTO_STEPS):
+            middle = (low + high) / 2
+            plan, fits = attempt(middle)
+            if fits:
+                best, low = plan, middle
+            else:
+                high = middle
+        return best, tried
+
+    def uuid(self):
+        return None  # the plan depends on options outside the graph: never reuse a cached compile
+
+    def __getstate__(self):  # Inductor pickles its config for cache keys: the settings, not the report callback
+        return {"memory_budget": self.memory_budget, "offload": self.offload, "max_memory_gib": self.max_memory_gib}
+
+
+def save_layer_inputs(joint: torch.fx.GraphModule) -> None:
+    """Below budget 1, every tensor a decoder layer reads from outside it (the residual stream, the rotary
+    tables, the mask) is saved: the backward then recomputes within one layer at a time. Without this, budget 0
+    saves nothing and recomputes the whole forward before the last layer's backward, holding all of it at once."""
+    backward = set()
+    for node in joint.graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("tangents") or any(
+                arg in backward for arg in node.all_input_nodes):
+            backward.add(node)
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node in backward or not is_layer(layer_of(node)):
+            continue
+        for arg in node.all_input_nodes:
+            if arg.op == "call_function" and arg not in backward and layer_of(arg) != layer_of(node):
+                arg.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def _copy(joint):
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(joint.graph, {}))
+    return torch.fx.GraphModule(joint, graph)
 
 
 def partitioner_config(memory_budget: float) -> dict:
-    """torch._functorch.config settings for one compile: torch._functorch.config.patch(partitioner_config(b))."""
+    """torch._functorch.config settings for one partition under memory_budget."""
     config = {"ban_recompute_materialized_backward": False}
     if memory_budget < 1:  # the knapsack runs only below 1
         config.update({
-            "activation_memory_budget": float(memory_budget),
+            # torch's budget 0 returns "save the graph's inputs" before looking at what must be saved (the
+            # layer inputs above): a budget just above 0 gets the knapsack, which honours it
+            "activation_memory_budget": max(float(memory_budget), 1e-6),
             "activation_memory_budget_runtime_estimator": "flops",
             # graphopt ops become knapsack candidates, priced by their FLOP formulas, instead of never
             # recomputed (the setting exists since torch 2.10)

@@ -181,7 +181,36 @@ def test_memory_budget_accepts_zero_to_one(budget):
     assert parse_options({}, NAMES).memory_budget == 1.0
 
 
-@pytest.mark.parametrize("budget", [-0.1, 1.5, "auto", True, None])
+@pytest.mark.parametrize("budget", [-0.1, 1.5, "fast", True, None])
 def test_memory_budget_outside_zero_to_one_is_an_error(budget):
     with pytest.raises(OptionError, match="memory_budget must be a number from 0"):
         parse_options({"memory_budget": budget}, NAMES)
+
+
+def test_auto_memory_budget_takes_the_memory_limit():
+    options = parse_options({"memory_budget": "auto", "max_memory_gib": 20}, NAMES)
+    assert (options.memory_budget, options.max_memory_gib) == ("auto", 20.0)
+
+
+@pytest.mark.parametrize("limit", [None, 0, -3, "20", True])
+def test_auto_memory_budget_without_a_valid_limit_is_an_error(limit):
+    raw = {"memory_budget": "auto"} if limit is None else {"memory_budget": "auto", "max_memory_gib": limit}
+    with pytest.raises(OptionError, match='memory_budget="auto" needs max_memory_gib=N'):
+        parse_options(raw, NAMES)
+
+
+def test_memory_limit_without_auto_is_an_error():
+    with pytest.raises(OptionError, match='max_memory_gib=20 is used only with memory_budget="auto"'):
+        parse_options({"memory_budget": 0.5, "max_memory_gib": 20}, NAMES)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_offload_takes_a_bool(offload):
+    assert parse_options({"offload": offload}, NAMES).offload is offload
+    assert parse_options({}, NAMES).offload is False
+
+
+@pytest.mark.parametrize("offload", ["yes", 1, None])
+def test_offload_that_is_not_a_bool_is_an_error(offload):
+    with pytest.raises(OptionError, match="offload must be True or False"):
+        parse_options({"offload": offload}, NAMES)

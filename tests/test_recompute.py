@@ -11,6 +11,9 @@ import graphopt
 from graphs import relative_error
 from models import tiny_lora_model
 from test_lora import compiled_step_saves
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphopt.passes import memory
 
 BUDGETS = [1, 0.3, 0]
 
@@ -44,7 +47,13 @@ def test_every_budget_matches_eager_and_a_smaller_one_saves_less(arch):
         assert sum(layer["recomputed_bytes"] for layer in report["per_layer"].values()) == report["recomputed"]["bytes"]
         assert {f"base_model.model.model.layers.{i}" for i in range(2)} <= report["per_layer"].keys()
         saved.append(report)
-    assert saved[0]["bytes"] > saved[1]["bytes"] > saved[2]["bytes"] == 0  # budget 0 keeps only the graph's inputs
+    assert saved[0]["bytes"] > saved[1]["bytes"] > saved[2]["bytes"] > 0
+    # budget 0 keeps what each decoder layer reads from outside it (the residual stream: at most one fp32
+    # [tokens, hidden] per layer, besides per-row statistics and the rotary tables' views) and recomputes the rest
+    hidden, rows = ids.numel() * model.config.hidden_size * 4, ids.numel() * 4
+    rotary = 2 * ids.shape[1] * model.config.head_dim * 4
+    for i in range(2):
+        assert saved[2]["per_layer"][f"base_model.model.model.layers.{i}"]["saved_bytes"] <= hidden + 2 * rows + rotary
     recomputed = [report["recomputed"] for report in saved]
     assert recomputed[0]["bytes"] < recomputed[1]["bytes"] < recomputed[2]["bytes"]
     # budget 0 recomputes the whole forward: at least every adapted base matmul
@@ -80,3 +89,50 @@ def test_cost_model_prices_fused_ops_by_their_matmuls():
         assert flops(torch.ops.graphopt.linear_cross_entropy, h, lm_head, None, target, -100, "mean", 0.0, 4,
                      grad_hidden, grad_weight) == products * 2 * tokens * vocab * hidden
     assert flops(torch.ops.graphopt.rms_norm, x, torch.ones(hidden), 1e-6, 0.0, torch.float32) == 0
+
+
+def test_auto_picks_the_fastest_plan_its_estimate_fits():
+    """memory_budget="auto": budget 1 when it fits; else the largest budget that fits; else budget 0 with offload,
+    the leanest plan there is, with every plan tried in the report. Each choice computes what eager computes."""
+    model = tiny_lora_model("llama", num_hidden_layers=6)
+    ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(0))
+    model.zero_grad(set_to_none=True)
+    eager_loss = model(input_ids=ids, labels=ids).loss
+    peaks = {b: loss_grads_and_saved(model, ids, b)[2]["estimate"]["estimated_peak_bytes"] for b in (1, 0)}
+    assert peaks[0] < peaks[1]
+
+    def auto(limit_bytes):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="graphopt",
+                                 options={"memory_budget": "auto", "max_memory_gib": limit_bytes / 2**30})
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert relative_error(loss, eager_loss) <= 1e-5
+        return graphopt.last_report().saved_for_backward
+
+    roomy = auto(peaks[1])
+    assert roomy["memory_budget"] == 1 and [t["memory_budget"] for t in roomy["auto"]["tried"]] == [1]
+    between = auto((peaks[0] + peaks[1]) / 2)
+    assert 0 <= between["memory_budget"] < 1 and not between["auto"]["offload"]
+    assert between["estimate"]["estimated_peak_bytes"] <= (peaks[0] + peaks[1]) / 2
+    assert between["auto"]["tried"][:2] == [{"memory_budget": 1, "offload": False, "estimated_peak_bytes": peaks[1]},
+                                            {"memory_budget": 0, "offload": False, "estimated_peak_bytes": peaks[0]}]
+    too_small = auto(1)
+    assert (too_small["memory_budget"], too_small["auto"]["offload"]) == (0, True) and too_small["offload"]
+    assert "memory_budget auto, max_memory_gib" in graphopt.last_report().to_text()
+
+
+def test_the_estimate_counts_what_inductor_writes_to_memory():
+    """A chain of pointwise ops ending in a reduction is one fused kernel: only the sum is written. A matmul
+    reading a pointwise result makes it real."""
+    def chain(x, w):
+        return ((x * 2 + 1).exp()).sum()
+
+    def into_matmul(x, w):
+        return ((x * 2 + 1).exp() @ w).sum()
+
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    for fn, transient in ((chain, 4), (into_matmul, 2 * x.numel() * 4)):
+        gm = make_fx(fn, tracing_mode="fake")(x, w)
+        # the exp result and the matmul's output are live together; the sum's 4 bytes come after
+        assert memory.walk_peak(gm, resident=0) == transient, fn.__name__

@@ -1,0 +1,148 @@
+"""offload=True: the activations the backward reads go to host memory in the forward and come back just before
+the backward needs them (the copies and streams: lowering/transfer.py).
+
+Runs on the partitioned graphs, so it moves exactly what the partitioner (passes/recompute.py) decided to save.
+Each saved activation is either offloaded or kept on the device with a reason the report shows:
+- kept: an output of the model too, a view (its base stays on the device anyway), non-contiguous (the copy
+  would change its layout), or
+  small (under 1/64 of the largest saved activation: per-copy latency would cost more than it frees, e.g. the
+  per-row statistics beside the layer inputs);
+- kept: read by the first layer the backward runs (the last of the forward): its copy back would start as it
+  is needed, with nothing to hide behind.
+Groups are decoder layers (the module path up to the ModuleList index). In the forward, each copy starts right
+after its tensor is written. In the backward, the first reload of a layer starts copying the next layer's
+tensors, so each layer's copies run under the compute of the layer before.
+On the CPU target the plan is made and reported, and the graphs are left as they are: there is nowhere to move to.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import extract_tensor_metadata
+
+from graphopt.report import layer_of, plain, size_hint
+
+SMALL_FRACTION = 1 / 64
+
+
+@dataclass
+class OffloadPlan:
+    num_fwd_outputs: int  # the forward's outputs before this index are the model's, never replaced
+    offloaded: list = field(default_factory=list)  # backward placeholder names, in the order the backward reads them
+    groups: dict = field(default_factory=dict)  # name → its layer
+    kept: dict = field(default_factory=dict)  # name → why it stays on the device
+    sizes: dict = field(default_factory=dict)  # name → bytes
+    moves_data: bool = False  # False on the CPU: planned and reported, graphs unchanged
+
+    def prefetch_after(self):
+        """name → the names its reload starts copying: the first reload of a layer prefetches the next layer."""
+        order = []
+        for name in self.offloaded:
+            if not order or order[-1][0] != self.groups[name]:
+                order.append((self.groups[name], []))
+            order[-1][1].append(name)
+        return {members[0]: following[1] for (_, members), following in zip(order, order[1:])}
+
+    def to_json(self, layers: dict) -> dict:
+        """The report's view: totals, and bytes offloaded per layer (added to `layers`, the per-layer entries)."""
+        for name in self.offloaded:
+            entry = layers.setdefault(self.groups[name], {})
+            entry["offloaded_bytes"] = entry.get("offloaded_bytes", 0) + self.sizes[name]
+        reasons = {}
+        for name, reason in self.kept.items():
+            count, size = reasons.get(reason, (0, 0))
+            reasons[reason] = (count + 1, size + self.sizes[name])
+        return {"tensors": len(self.offloaded), "bytes": plain(sum(self.sizes[n] for n in self.offloaded)),
+                "copies_made": self.moves_data,
+                "kept": [{"reason": r, "tensors": c, "bytes": plain(b)} for r, (c, b) in reasons.items()]}
+
+
+def plan_offload(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, num_fwd_outputs: int) -> OffloadPlan:
+    """num_fwd_outputs: how many of the forward graph's outputs are the model's (the rest are saved for backward)."""
+    outputs = forward.graph.find_nodes(op="output")[0].args[0]
+    model_outputs = set(outputs[:num_fwd_outputs])
+    saved = {node.name: node for node in outputs[num_fwd_outputs:] if isinstance(node, torch.fx.Node)}
+    order = {node: i for i, node in enumerate(backward.graph.nodes)}
+    candidates = []
+    for placeholder in backward.graph.find_nodes(op="placeholder"):
+        value = placeholder.meta.get("val")
+        produced = saved.get(placeholder.name)
+        if (produced is None or produced.op == "placeholder" or not isinstance(value, torch.Tensor)
+                or not placeholder.users):
+            continue  # an incoming gradient, a graph input kept (weights, ids), a symbol, or unread
+        first_use = min(order[user] for user in placeholder.users)
+        candidates.append((first_use, placeholder, produced, value))
+    candidates.sort(key=lambda c: c[0])
+
+    plan = OffloadPlan(num_fwd_outputs, moves_data=any(v.device.type != "cpu" for *_, v in candidates))
+    largest = max((_bytes(v) for *_, v in candidates), key=size_hint, default=0)
+    first_group = layer_of(candidates[0][1]) if candidates else None
+    for _, placeholder, produced, value in candidates:
+        name = placeholder.name
+        plan.sizes[name], plan.groups[name] = _bytes(value), layer_of(placeholder)
+        if produced in model_outputs:
+            plan.kept[name] = "also an output of the model: it stays on the device anyway"
+        elif getattr(produced.target, "is_view", False) or value._base is not None:
+            plan.kept[name] = "a view: its base stays on the device"
+        elif not value.is_contiguous():
+            plan.kept[name] = "not contiguous"
+        elif size_hint(plan.sizes[name]) < size_hint(largest) * SMALL_FRACTION:
+            plan.kept[name] = "small: under 1/64 of the largest saved activation"
+        elif plan.groups[name] == first_group:
+            plan.kept[name] = "read first by the backward: no compute to hide its copy behind"
+        else:
+            plan.offloaded.append(name)
+    return plan
+
+
+def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, plan: OffloadPlan) -> None:
+    """forward: graphopt::offload right after each chosen tensor is written, its host copy saved instead;
+    backward: graphopt::reload before its first reader, carrying the next layer's prefetch."""
+    chosen = set(plan.offloaded)
+    output = forward.graph.find_nodes(op="output")[0]
+    model_outputs, saved = output.args[0][:plan.num_fwd_outputs], output.args[0][plan.num_fwd_outputs:]
+    replaced = {}
+    for node in saved:
+        if isinstance(node, torch.fx.Node) and node.name in chosen and node not in replaced:
+            with forward.graph.inserting_after(node):
+                host = forward.graph.call_function(torch.ops.graphopt.offload.default, (node,))
+            _set_value(host, _on_host(node.meta["val"]))
+            host.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+            replaced[node] = host
+    output.args = (tuple(model_outputs) + tuple(replaced.get(n, n) for n in saved),) + tuple(output.args[1:])
+
+    placeholders = {p.name: p for p in backward.graph.find_nodes(op="placeholder")}
+    order = {node: i for i, node in enumerate(backward.graph.nodes)}
+    first_user = {name: min(placeholders[name].users, key=order.get) for name in plan.offloaded}
+    prefetch = plan.prefetch_after()
+    is_reload = lambda user: user.target is torch.ops.graphopt.reload.default  # noqa: E731
+    for name in plan.offloaded:
+        placeholder = placeholders[name]
+        value = placeholder.meta["val"]
+        _set_value(placeholder, _on_host(value))
+        with backward.graph.inserting_before(first_user[name]):
+            reload = backward.graph.call_function(
+                torch.ops.graphopt.reload.default,
+                (placeholder, value.device, [placeholders[n] for n in prefetch.get(name, [])]))
+        _set_value(reload, value)
+        reload.meta["nn_module_stack"] = placeholder.meta.get("nn_module_stack", {})
+        # every reader but the reloads, whose prefetch lists name the host copy itself
+        placeholder.replace_all_uses_with(reload, delete_user_cb=lambda user: not is_reload(user))
+    forward.graph.lint()
+    backward.graph.lint()
+    forward.recompile()
+    backward.recompile()
+
+
+def _on_host(value):
+    return value.to("cpu").contiguous() if value.device.type != "cpu" else value.clone()
+
+
+def _set_value(node, value):
+    node.meta["val"] = value
+    node.meta["tensor_meta"] = extract_tensor_metadata(value)
+
+
+def _bytes(value):
+    return value.numel() * value.element_size()
+

@@ -1,0 +1,121 @@
+"""offload=True (passes/offload.py, lowering/transfer.py): on the CPU the plan is made and reported and the graphs
+are left alone; with the copies forced on, the rewritten graphs still compute what eager computes, every
+offloaded tensor is copied out once and back once, and each layer's first reload prefetches the next layer."""
+
+import pytest
+import torch
+
+import graphopt
+from graphopt.lowering import transfer
+from graphopt.passes import offload as offload_pass
+from graphs import relative_error
+from models import tiny_lora_model
+
+BUDGETS = [1, 0.3, 0]
+
+
+def eager_loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def compiled_loss_and_grads(model, ids, options):
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    loss = torch.compile(model, backend="graphopt", options=options)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_matches(result, expected):
+    (loss, grads), (eager_loss, eager_grads) = result, expected
+    assert relative_error(loss, eager_loss) <= 1e-5
+    assert grads.keys() == eager_grads.keys()
+    assert all(relative_error(grads[n], eager_grads[n]) <= 1e-5 for n in grads)
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """Counts the transfer ops' calls; with .force(), the pipeline inserts them on the CPU too."""
+    calls = {"offload": 0, "reload": 0, "prefetched": []}
+    offload, reload = transfer.offload, transfer.reload
+
+    def counted_offload(x):
+        calls["offload"] += 1
+        return offload(x)
+
+    def counted_reload(host, device, prefetch):
+        calls["reload"] += 1
+        calls["prefetched"].append(len(prefetch))
+        return reload(host, device, prefetch)
+
+    monkeypatch.setattr(transfer, "offload", counted_offload)
+    monkeypatch.setattr(transfer, "reload", counted_reload)
+    plan = offload_pass.plan_offload
+
+    def forced(forward, backward, num_fwd_outputs):
+        made = plan(forward, backward, num_fwd_outputs)
+        made.moves_data = True
+        return made
+
+    calls["force"] = lambda: monkeypatch.setattr(offload_pass, "plan_offload", forced)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_on_the_cpu_offload_is_planned_and_reported_and_copies_nothing(arch, copies):
+    model = tiny_lora_model(arch)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = eager_loss_and_grads(model, ids)
+    for budget in BUDGETS:
+        assert_matches(compiled_loss_and_grads(model, ids, {"memory_budget": budget, "offload": True}), expected)
+        saved = graphopt.last_report().saved_for_backward
+        plan = saved["offload"]
+        assert plan["copies_made"] is False and plan["tensors"] > 0, budget
+        assert sum(layer.get("offloaded_bytes", 0) for layer in saved["per_layer"].values()) == plan["bytes"]
+        assert plan["bytes"] + sum(k["bytes"] for k in plan["kept"]) == saved["bytes"]  # each one accounted for
+        assert "(planned only: the target is the host itself)" in graphopt.last_report().to_text()
+    assert copies["offload"] == copies["reload"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_forced_copies_compute_what_eager_computes(arch, copies):
+    copies["force"]()
+    model = tiny_lora_model(arch)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = eager_loss_and_grads(model, ids)
+    for budget in BUDGETS:
+        copies["offload"] = copies["reload"] = 0
+        assert_matches(compiled_loss_and_grads(model, ids, {"memory_budget": budget, "offload": True}), expected)
+        plan = graphopt.last_report().saved_for_backward["offload"]
+        assert plan["copies_made"] is True
+        assert copies["offload"] == copies["reload"] == plan["tensors"] > 0, budget
+
+
+def test_each_layer_prefetches_the_next_one_the_backward_reads():
+    plan = offload_pass.OffloadPlan(num_fwd_outputs=1, offloaded=["a", "b", "c", "d", "e"],
+                                    groups={"a": "layers.2", "b": "layers.2", "c": "layers.1", "d": "layers.0",
+                                            "e": "layers.0"})
+    assert plan.prefetch_after() == {"a": ["c"], "c": ["d", "e"]}
+
+
+def test_budget_zero_offloads_the_layer_inputs(copies):
+    """Budget 0 saves each decoder layer's input (the residual stream); offload moves all but the last layer's,
+    which the backward reads first."""
+    model = tiny_lora_model("llama")
+    ids = torch.randint(0, 128, (2, 16))
+    compiled_loss_and_grads(model, ids, {"memory_budget": 0, "offload": True})
+    saved = graphopt.last_report().saved_for_backward
+    hidden_bytes = 2 * 16 * 64 * 4
+    assert saved["offload"]["bytes"] >= hidden_bytes
+    assert saved["per_layer"]["base_model.model.model.layers.0"].get("offloaded_bytes", 0) >= hidden_bytes
+
+
+def test_transfer_ops_pass_opcheck():
+    x = torch.randn(3, 5)
+    host = torch.ops.graphopt.offload(x)
+    assert torch.equal(host, x) and host.data_ptr() != x.data_ptr()
+    torch.library.opcheck(torch.ops.graphopt.offload.default, (x,))
+    torch.library.opcheck(torch.ops.graphopt.reload.default, (host, torch.device("cpu"), [host.clone()]))
