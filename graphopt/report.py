@@ -119,6 +119,9 @@ class Report:
                      f"{_bytes_text(estimate['forward_peak_bytes'])}, backward "
                      f"{_bytes_text(estimate['backward_peak_bytes'])})"
                      + (f"; measured {_bytes_text(measured)}" if measured is not None else ""))
+        if estimate.get("at_peak"):
+            lines.append(f"    largest at the {estimate['at_peak'][0]['graph']} peak: " + ", ".join(
+                f"{b['node']} ({b['op']}) {_bytes_text(b['bytes'])}" for b in estimate["at_peak"]))
         return lines
 
     def _saved_text(self) -> str:

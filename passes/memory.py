@@ -26,10 +26,11 @@ class MemoryEstimate:
     peak: object  # bytes: int, or a SymInt under dynamic shapes
     forward_peak: object
     backward_peak: object
+    at_peak: list  # the largest buffers live at the peak, besides the graph's inputs
 
     def to_json(self) -> dict:
         return {"estimated_peak_bytes": plain(self.peak), "forward_peak_bytes": plain(self.forward_peak),
-                "backward_peak_bytes": plain(self.backward_peak)}
+                "backward_peak_bytes": plain(self.backward_peak), "at_peak": self.at_peak}
 
 
 def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, offloaded=()) -> MemoryEstimate:
@@ -39,18 +40,27 @@ def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
     resident = sum((_bytes(p) for p in inputs), 0)
     saved = [n for n in forward.graph.find_nodes(op="output")[0].args[0] if isinstance(n, torch.fx.Node)]
     kept = {n for n in saved if n.op != "placeholder" and n.name not in offloaded}
-    forward_peak = walk_peak(forward, resident=resident, keep=kept)
+    forward_peak, forward_live = walk_peak(forward, resident=resident, keep=kept)
     on_device = [p for p in backward.graph.find_nodes(op="placeholder")
                  if not p.name.startswith("primals") and p.name not in offloaded]
-    backward_peak = walk_peak(backward, resident=resident, start=on_device,
-                          arriving={p for p in backward.graph.find_nodes(op="placeholder") if p.name in offloaded})
-    peak = forward_peak if size_hint(forward_peak) >= size_hint(backward_peak) else backward_peak
-    return MemoryEstimate(peak, forward_peak, backward_peak)
+    backward_peak, backward_live = walk_peak(
+        backward, resident=resident, start=on_device,
+        arriving={p for p in backward.graph.find_nodes(op="placeholder") if p.name in offloaded})
+    if size_hint(forward_peak) >= size_hint(backward_peak):
+        return MemoryEstimate(forward_peak, forward_peak, backward_peak, _largest("forward", forward_live))
+    return MemoryEstimate(backward_peak, forward_peak, backward_peak, _largest("backward", backward_live))
+
+
+def _largest(graph, live, count=5):
+    ranked = sorted(live, key=lambda node: size_hint(_bytes(node)), reverse=True)[:count]
+    return [{"graph": graph, "node": node.name, "op": str(getattr(node, "target", node.op)),
+             "bytes": plain(_bytes(node))} for node in ranked]
 
 
 def walk_peak(gm, resident, keep=(), start=(), arriving=()):
-    """Peak bytes over the graph's execution: resident + live buffers. keep: never freed (saved for backward);
-    start: live at the start, freed after their last reader; arriving: allocated at their first reader."""
+    """(peak bytes over the graph's execution: resident + live buffers, the buffers live then). keep: never
+    freed (saved for backward); start: live at the start, freed after their last reader; arriving: allocated
+    at their first reader."""
     nodes = list(gm.graph.nodes)
     root = {}  # node → the node whose buffer it reads through (views, getitems)
     for node in nodes:
@@ -70,8 +80,8 @@ def walk_peak(gm, resident, keep=(), start=(), arriving=()):
     for node in start:
         allocated[node] = -1
     for i, node in enumerate(nodes):
-        if node.op == "call_function" and root[node] is node and node not in fused:
-            allocated[node] = i
+        if node.op == "call_function" and root[node] is node and node not in fused and not _is_tuple(node):
+            allocated[node] = i  # a tuple's elements are allocated by their getitems, each freed on its own
     first_use = {}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
@@ -106,7 +116,7 @@ def walk_peak(gm, resident, keep=(), start=(), arriving=()):
 
     peak_step = live_at(None)
     live = live_at(peak_step) if peak_step is not None else set()
-    return resident + sum((_bytes(b) for b in live), 0)
+    return resident + sum((_bytes(b) for b in live), 0), live
 
 
 _FUSIBLE_READERS = {torch.ops.aten.sum, torch.ops.aten.mean, torch.ops.aten.amax, torch.ops.aten.amin,
@@ -130,12 +140,17 @@ def _fused_away(node, keep):
 
 
 def _aliased(node):
-    """The node whose buffer `node` reads through without allocating: a view's base, a getitem's tuple."""
+    """The node whose buffer `node` reads through without allocating: a view's base. (A getitem of an op's
+    tuple of outputs is that output's own buffer.)"""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
-    if node.target is operator.getitem or getattr(node.target, "is_view", False):
+    if getattr(node.target, "is_view", False) or (node.target is operator.getitem and not _is_tuple(node.args[0])):
         return node.args[0]
     return None
+
+
+def _is_tuple(node):
+    return isinstance(node.meta.get("val"), (tuple, list))
 
 
 def _bytes(node):

@@ -71,7 +71,8 @@ class Partitioner(CustomPartitionerFn):
         on a copy of the joint graph (the partitioner edits the graph it is given)."""
         joint = _copy(joint)
         if budget < 1:
-            save_layer_inputs(joint)
+            save_layer_inputs(joint, kwargs["num_fwd_outputs"])
+            never_recompute_the_loss(joint)
         with torch._functorch.config.patch(partitioner_config(budget)):
             graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         plan = offload_pass.plan_offload(*graphs, kwargs["num_fwd_outputs"]) if offload else None
@@ -112,21 +113,31 @@ class Partitioner(CustomPartitionerFn):
         return {"memory_budget": self.memory_budget, "offload": self.offload, "max_memory_gib": self.max_memory_gib}
 
 
-def save_layer_inputs(joint: torch.fx.GraphModule) -> None:
-    """Below budget 1, every tensor a decoder layer reads from outside it (the residual stream, the rotary
-    tables, the mask) is saved: the backward then recomputes within one layer at a time. Without this, budget 0
-    saves nothing and recomputes the whole forward before the last layer's backward, holding all of it at once."""
-    backward = set()
-    for node in joint.graph.nodes:
-        if node.op == "placeholder" and node.name.startswith("tangents") or any(
-                arg in backward for arg in node.all_input_nodes):
-            backward.add(node)
-    for node in joint.graph.nodes:
-        if node.op != "call_function" or node in backward or not is_layer(layer_of(node)):
-            continue
+def save_layer_inputs(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Below budget 1, every tensor that crosses a decoder layer's boundary in the forward is saved: what a layer
+    reads from outside it (the residual stream, the rotary tables, the mask) and what it hands out (the last
+    layer's output, read by the final norm). The backward then recomputes within one layer at a time. Without
+    this, budget 0 saves nothing and recomputes the whole forward before the last layer's backward, holding all
+    of it at once."""
+    forward, stack = set(), list(joint.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs])
+    while stack:  # the forward: what the model's outputs are computed from
+        node = stack.pop()
+        if isinstance(node, torch.fx.Node) and node not in forward:
+            forward.add(node)
+            stack.extend(node.all_input_nodes)
+    for node in forward:
         for arg in node.all_input_nodes:
-            if arg.op == "call_function" and arg not in backward and layer_of(arg) != layer_of(node):
+            crosses = layer_of(arg) != layer_of(node) and (is_layer(layer_of(node)) or is_layer(layer_of(arg)))
+            if arg.op == "call_function" and crosses:
                 arg.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def never_recompute_the_loss(joint: torch.fx.GraphModule) -> None:
+    """The fused loss computes its gradients in the forward. As a knapsack candidate it looks cheap to recompute
+    (one [tokens, hidden] output for its FLOPs), but the backward needs it first, right after the forward, so
+    recomputing it saves nothing at the peak and repeats the lm_head's matmuls (a third of the 1B step's FLOPs)."""
+    for node in joint.graph.find_nodes(op="call_function", target=torch.ops.graphopt.linear_cross_entropy.default):
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE  # banned from recompute; its getitems get saved
 
 
 def _copy(joint):
