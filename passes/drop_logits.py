@@ -2,7 +2,7 @@
 
 HF returns the logits beside the loss, so they are a graph output even when nobody reads them. For each logits
 node passes/fuse_linear_ce.py tagged (its loss fused with gradients), the graph output becomes a zero-cost
-stand-in of the same shape and dtype (a broadcast view of the lm_head input), and the lm_head projection and
+stand-in of the same shape and dtype (a detached broadcast view of the lm_head input), and the lm_head projection and
 softcapping that only fed it are erased. The backend hands the stand-in back as graphopt.LogitsNotMaterialized,
 which raises, naming keep_logits=True, on any use. Logits the graph itself reads elsewhere stay computed.
 """
@@ -31,6 +31,9 @@ def drop_logits(gm: GraphModule, report) -> list:
         leading = value(hidden).dim() - 1
         with gm.graph.inserting_before(output):
             first = gm.graph.call_function(operator.getitem, (hidden, (Ellipsis, slice(0, 1))))
+            # detached: an output that requires grad gets a gradient in the backward, and autograd materializes
+            # the unused one as zeros of the logits' full shape (2 GiB at the 1B shape's batch)
+            first = gm.graph.call_method("detach", (first,))
             stand_in = gm.graph.call_method("expand", (first, *[-1] * leading, value(logits).shape[-1]))
         here = [i for i, node in enumerate(outputs) if node is logits]
         for i in here:

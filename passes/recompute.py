@@ -7,9 +7,10 @@ below is the partition function graphopt hands to aot_autograd: it runs torch's 
 plans the offload (passes/offload.py) and estimates the step's peak (passes/memory.py). What torch lacks and
 this module adds:
 
-- layer boundaries. Below budget 1 the inputs of every decoder layer are saved (save_layer_inputs), so 0 means
-  per-layer checkpointing: each layer's backward recomputes that layer's forward only, and what is saved is the
-  residual stream at each layer's input, which offload=True then moves to host memory.
+- layer boundaries. Below budget 1 the tensors entering and leaving every decoder layer are saved
+  (save_layer_boundaries), so 0 means per-layer checkpointing: each layer's backward recomputes that layer's
+  forward only, and what is saved is the residual stream between layers, which offload=True then moves to host
+  memory. The fused loss is never recomputed (never_recompute_the_loss).
 - memory_budget="auto" with max_memory_gib: the fastest plan whose estimated peak fits (Partitioner._choose).
 - graphopt ops as candidates with a cost. torch bans recomputing any op it does not know; here every graphopt op
   is a candidate, priced by the FLOP formulas below (the knapsack's "flops" estimator): the fused LoRA linear and
@@ -34,6 +35,10 @@ from graphopt.passes.memory import estimate_peak
 from graphopt.report import is_layer, layer_of, saved_for_backward, size_hint
 
 GIB = 2**30
+# What the graphs do not show and "auto" must leave room for: the fused ops' own temporaries (the loss's logits
+# chunk, the LoRA kernels' partial sums), cuBLAS workspaces, the optimizer's state, the allocator's rounding.
+# Measured peak minus estimate on the H200: 0.56–1.15 GiB at the 1B and 8B shapes (benchmarks/RESULTS.md).
+UNSEEN_RESERVE_GIB = 1.25
 AUTO_STEPS = 4  # bisection steps of memory_budget="auto" between 0 and 1: a budget within 1/16 of the best
 
 
@@ -60,7 +65,9 @@ class Partitioner(CustomPartitionerFn):
             if plan.moves_data:
                 offload_pass.insert_transfers(forward, backward, plan)
         if self.memory_budget == "auto":
-            decision["auto"] = {"max_memory_gib": self.max_memory_gib, "offload": offload,
+            decision["auto"] = {"max_memory_gib": self.max_memory_gib, "reserve_gib": UNSEEN_RESERVE_GIB,
+                                "offload": offload,
+                                "fits": size_hint(estimate.peak) <= (self.max_memory_gib - UNSEEN_RESERVE_GIB) * GIB,
                                 "tried": [{"memory_budget": b, "offload": o, "estimated_peak_bytes": e}
                                           for b, o, e in tried]}
         self.on_partitioned(decision)
@@ -71,7 +78,7 @@ class Partitioner(CustomPartitionerFn):
         on a copy of the joint graph (the partitioner edits the graph it is given)."""
         joint = _copy(joint)
         if budget < 1:
-            save_layer_inputs(joint, kwargs["num_fwd_outputs"])
+            save_layer_boundaries(joint, kwargs["num_fwd_outputs"])
             never_recompute_the_loss(joint)
         with torch._functorch.config.patch(partitioner_config(budget)):
             graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -80,10 +87,11 @@ class Partitioner(CustomPartitionerFn):
         return budget, offload, graphs, plan, estimate
 
     def _choose(self, joint, joint_inputs, kwargs):
-        """memory_budget="auto": the fastest plan whose estimated peak fits max_memory_gib. The fastest is
+        """memory_budget="auto": the fastest plan whose estimated peak fits max_memory_gib less the reserve for
+        what the graphs do not show (UNSEEN_RESERVE_GIB). The fastest is
         budget 1; then the largest budget that fits (bisection); then budget 0 with offload. Nothing fits:
         budget 0 with offload, the leanest there is, and the report says by how much it misses."""
-        limit, tried = self.max_memory_gib * GIB, []
+        limit, tried = (self.max_memory_gib - UNSEEN_RESERVE_GIB) * GIB, []
 
         def attempt(budget, offload=False):
             plan = self._plan(joint, joint_inputs, kwargs, budget, offload)
@@ -113,7 +121,7 @@ class Partitioner(CustomPartitionerFn):
         return {"memory_budget": self.memory_budget, "offload": self.offload, "max_memory_gib": self.max_memory_gib}
 
 
-def save_layer_inputs(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> None:
+def save_layer_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> None:
     """Below budget 1, every tensor that crosses a decoder layer's boundary in the forward is saved: what a layer
     reads from outside it (the residual stream, the rotary tables, the mask) and what it hands out (the last
     layer's output, read by the final norm). The backward then recomputes within one layer at a time. Without
