@@ -139,6 +139,9 @@ def test_dynamic_shapes_compile_once(dynamic):
     assert report.summary() == expected
     assert any(isinstance(s, str) for s in report.fusions[0].shape)  # symbolic batch/sequence sizes
     assert isinstance(report.saved_for_backward["bytes"], str)  # a size expression, not one shape's number
+    # the peak estimate too: a polynomial in the batch and sequence symbols, e.g. "4636*s27*s52 + 128*s27 + 466208"
+    batch_symbol = report.fusions[0].shape[0]
+    assert batch_symbol in report.saved_for_backward["estimate"]["estimated_peak_bytes"]
 
 
 def test_report_option_writes_every_format(tmp_path):
