@@ -53,8 +53,13 @@ def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
 
 def _largest(graph, live, count=5):
     ranked = sorted(live, key=lambda node: size_hint(_bytes(node)), reverse=True)[:count]
-    return [{"graph": graph, "node": node.name, "op": str(getattr(node, "target", node.op)),
-             "bytes": plain(_bytes(node))} for node in ranked]
+    return [{"graph": graph, "node": node.name, "op": _made_by(node), "bytes": plain(_bytes(node))} for node in ranked]
+
+
+def _made_by(node):
+    if node.op != "placeholder":
+        return str(node.target)
+    return "gradient of an output" if node.name.startswith("tangents") else "saved by the forward"
 
 
 def walk_peak(gm, resident, keep=(), start=(), arriving=()):
