@@ -6,6 +6,8 @@
 #   benchmarks/run_train_step.sh eager inductor -- --steps 20      some variants; arguments after -- go to train_step.py
 #   benchmarks/run_train_step.sh --shape tiny --device cpu         all variants; every argument goes to train_step.py
 #   benchmarks/run_train_step.sh inductor 'graphopt={"fusions": {"lora": true}}'   graphopt with options (JSON)
+#   benchmarks/run_train_step.sh unsloth 'graphopt={"memory_budget": 0, "offload": true}' -- --shape 8b --batch 2
+#                                                                  the lean mode against Unsloth at Llama-3-8B's shape
 #
 # Output: $OUT if set, else benchmarks/results: train_step-<time>.jsonl and one log per variant.
 # A variant that fails is recorded in the JSON file and the table, the others still run, and the script exits 1.
