@@ -27,10 +27,12 @@ class MemoryEstimate:
     forward_peak: object
     backward_peak: object
     at_peak: list  # the largest buffers live at the peak, besides the graph's inputs
+    saved: object  # bytes of activations on the device between forward and backward (offloaded ones excluded)
 
     def to_json(self) -> dict:
         return {"estimated_peak_bytes": plain(self.peak), "forward_peak_bytes": plain(self.forward_peak),
-                "backward_peak_bytes": plain(self.backward_peak), "at_peak": self.at_peak}
+                "backward_peak_bytes": plain(self.backward_peak), "saved_on_device_bytes": plain(self.saved),
+                "at_peak": self.at_peak}
 
 
 def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, offloaded=()) -> MemoryEstimate:
@@ -46,9 +48,12 @@ def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
     backward_peak, backward_live = walk_peak(
         backward, resident=resident, start=on_device,
         arriving={p for p in backward.graph.find_nodes(op="placeholder") if p.name in offloaded})
+    saved_on_device = sum((_bytes(p) for p in on_device if not p.name.startswith("tangents")), 0)
     if size_hint(forward_peak) >= size_hint(backward_peak):
-        return MemoryEstimate(forward_peak, forward_peak, backward_peak, _largest("forward", forward_live))
-    return MemoryEstimate(backward_peak, forward_peak, backward_peak, _largest("backward", backward_live))
+        return MemoryEstimate(forward_peak, forward_peak, backward_peak, _largest("forward", forward_live),
+                              saved_on_device)
+    return MemoryEstimate(backward_peak, forward_peak, backward_peak, _largest("backward", backward_live),
+                          saved_on_device)
 
 
 def _largest(graph, live, count=5):

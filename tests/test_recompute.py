@@ -69,6 +69,11 @@ def test_report_at_a_budget_counts_what_autograd_holds():
     assert saved["memory_budget"] == 0.3
     assert saved["tensors"] + saved["inputs_kept"] == len(held)
     assert saved["bytes"] + saved["inputs_kept_bytes"] == sum(t.numel() * t.element_size() for t in held)
+    # the peak estimate starts the backward from exactly those activations; with offload, from those not offloaded
+    assert saved["estimate"]["saved_on_device_bytes"] == saved["bytes"]
+    _, _, offloaded = compiled_step_saves({"memory_budget": 0.3, "offload": True})
+    assert offloaded["offload"]["bytes"] > 0
+    assert offloaded["estimate"]["saved_on_device_bytes"] == saved["bytes"] - offloaded["offload"]["bytes"]
     assert "saved for backward (memory_budget 0.3): " in graphopt.last_report().to_text()
 
 
