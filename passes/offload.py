@@ -4,9 +4,8 @@ the backward needs them (the copies and streams: lowering/transfer.py).
 Runs on the partitioned graphs, so it moves exactly what the partitioner (passes/recompute.py) decided to save.
 Each saved activation is either offloaded or kept on the device with a reason the report shows:
 - kept: an output of the model too, a view (its base stays on the device anyway), non-contiguous (the copy
-  would change its layout), or
-  small (under 1/64 of the largest saved activation: per-copy latency would cost more than it frees, e.g. the
-  per-row statistics beside the layer inputs);
+  would change its layout), or small (under 1/64 of the largest saved activation: per-copy latency would cost
+  more than it frees, e.g. the per-row statistics beside the layer inputs);
 - kept: read by the first layer the backward runs (the last of the forward): its copy back would start as it
   is needed, with nothing to hide behind.
 Groups are decoder layers (the module path up to the ModuleList index). In the forward, each copy starts right
