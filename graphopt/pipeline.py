@@ -59,7 +59,8 @@ def _autograd_partition_lower(gm, example_inputs, lowering, report, options):
         report.saved_for_backward = decision
         rewrite(report)
 
-    partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib, record_partition)
+    partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
+                              lowering.offload_copies, record_partition)
     if lowering.inductor:
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.

@@ -205,7 +205,7 @@ def saved_for_backward(backward: torch.fx.GraphModule, largest: int = 5) -> dict
                   if node.op == "call_function" and node.meta.get("partitioner_tag") == "is_forward"]
     recomputed_bytes = recomputed_flops = 0
     for node in recomputed:
-        written, flops = _bytes_written(node), _flops(node)
+        written, flops = bytes_written(node), _flops(node)
         recomputed_bytes, recomputed_flops = recomputed_bytes + written, recomputed_flops + flops
         add(node, "recomputed_bytes", written)
         add(node, "recomputed_flops", flops)
@@ -247,7 +247,7 @@ def layer_of(node: torch.fx.Node) -> str:
     return match.group(1) if match else path
 
 
-def _bytes_written(node: torch.fx.Node):
+def bytes_written(node: torch.fx.Node):
     """Bytes of the tensors a node creates (views create none)."""
     if getattr(node.target, "is_view", False):
         return 0

@@ -22,6 +22,9 @@ class Lowering:
     decompositions: dict = field(default_factory=dict)  # graphopt op → aten function, applied below autograd
     implementations: dict = field(default_factory=dict)  # graphopt op → text for the report
     note: str = ""
+    # offload=True copies saved activations to host memory (lowering/transfer.py); on the CPU target they are
+    # there already, so the plan is only reported
+    offload_copies: bool = True
 
 
 def lowering_for(target: str) -> Lowering:
@@ -31,7 +34,7 @@ def lowering_for(target: str) -> Lowering:
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note)
     if target == "cpu":
         return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
-                        implementations=dict(cpu.IMPLEMENTATIONS))
+                        implementations=dict(cpu.IMPLEMENTATIONS), offload_copies=False)
     reason = f"no lowering for target {target!r}" + ("" if cuda is not None else f" (Triton missing: {_CUDA_MISSING})")
     return Lowering(target, inductor=False, implementations={op: "pure-torch reference (kernels/reference.py)"
                                                              for op in ops.ALL_OPS}, note=reason)

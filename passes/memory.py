@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphopt.report import plain, size_hint
+from graphopt.report import bytes_written, plain, size_hint
 
 
 @dataclass
@@ -39,7 +39,7 @@ def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
     """offloaded: names of the saved tensors passes/offload.py moves to the host (backward placeholder names)."""
     offloaded = set(offloaded)
     inputs = [p for p in forward.graph.find_nodes(op="placeholder")]
-    resident = sum((_bytes(p) for p in inputs), 0)
+    resident = sum((bytes_written(p) for p in inputs), 0)
     saved = [n for n in forward.graph.find_nodes(op="output")[0].args[0] if isinstance(n, torch.fx.Node)]
     kept = {n for n in saved if n.op != "placeholder" and n.name not in offloaded}
     forward_peak, forward_live = walk_peak(forward, resident=resident, keep=kept)
@@ -48,7 +48,7 @@ def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
     backward_peak, backward_live = walk_peak(
         backward, resident=resident, start=on_device,
         arriving={p for p in backward.graph.find_nodes(op="placeholder") if p.name in offloaded})
-    saved_on_device = sum((_bytes(p) for p in on_device if not p.name.startswith("tangents")), 0)
+    saved_on_device = sum((bytes_written(p) for p in on_device if not p.name.startswith("tangents")), 0)
     if size_hint(forward_peak) >= size_hint(backward_peak):
         return MemoryEstimate(forward_peak, forward_peak, backward_peak, _largest("forward", forward_live),
                               saved_on_device)
@@ -57,8 +57,8 @@ def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
 
 
 def _largest(graph, live, count=5):
-    ranked = sorted(live, key=lambda node: size_hint(_bytes(node)), reverse=True)[:count]
-    return [{"graph": graph, "node": node.name, "op": _made_by(node), "bytes": plain(_bytes(node))} for node in ranked]
+    ranked = sorted(live, key=lambda node: size_hint(bytes_written(node)), reverse=True)[:count]
+    return [{"graph": graph, "node": node.name, "op": _made_by(node), "bytes": plain(bytes_written(node))} for node in ranked]
 
 
 def _made_by(node):
@@ -109,11 +109,11 @@ def walk_peak(gm, resident, keep=(), start=(), arriving=()):
     def live_at(step_limit):
         """Buffers live while node `step_limit` runs, and the hint of their total."""
         live = set(allocates_at.get(-1, []))
-        best_total, best_step, total = -1, None, sum(size_hint(_bytes(b)) for b in live)
+        best_total, best_step, total = -1, None, sum(size_hint(bytes_written(b)) for b in live)
         for i in range(len(nodes)):
             for buffer in allocates_at.get(i, []):
                 live.add(buffer)
-                total += size_hint(_bytes(buffer))
+                total += size_hint(bytes_written(buffer))
             if i == step_limit:
                 return live
             if total > best_total:
@@ -121,17 +121,16 @@ def walk_peak(gm, resident, keep=(), start=(), arriving=()):
             for buffer in frees_at.get(i, []):
                 if buffer in live:
                     live.discard(buffer)
-                    total -= size_hint(_bytes(buffer))
+                    total -= size_hint(bytes_written(buffer))
         return best_step
 
     peak_step = live_at(None)
     live = live_at(peak_step) if peak_step is not None else set()
-    return resident + sum((_bytes(b) for b in live), 0), live
+    return resident + sum((bytes_written(b) for b in live), 0), live
 
 
-_FUSIBLE_READERS = {torch.ops.aten.sum, torch.ops.aten.mean, torch.ops.aten.amax, torch.ops.aten.amin,
-                    torch.ops.aten.var_mean, torch.ops.aten.prod, torch.ops.aten._to_copy,
-                    torch.ops.prims.convert_element_type}
+_REDUCTIONS = {torch.ops.aten.sum, torch.ops.aten.mean, torch.ops.aten.amax, torch.ops.aten.amin,
+               torch.ops.aten.var_mean, torch.ops.aten.prod}
 
 
 def _pointwise(node):
@@ -146,7 +145,7 @@ def _fused_away(node, keep):
     is never written to memory. Outputs of the graph are always written."""
     return (_pointwise(node) and node not in keep and node.users
             and all(user.op == "call_function" and (_pointwise(user) or getattr(user.target, "overloadpacket", None)
-                                                    in _FUSIBLE_READERS) for user in node.users))
+                                                    in _REDUCTIONS) for user in node.users))
 
 
 def _aliased(node):
@@ -161,9 +160,3 @@ def _aliased(node):
 
 def _is_tuple(node):
     return isinstance(node.meta.get("val"), (tuple, list))
-
-
-def _bytes(node):
-    values = node.meta.get("val")
-    values = values if isinstance(values, (tuple, list)) else [values]
-    return sum((t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor)), 0)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import extract_tensor_metadata
 
-from graphopt.report import layer_of, plain, size_hint
+from graphopt.report import bytes_written, layer_of, plain, size_hint
 
 SMALL_FRACTION = 1 / 64
 
@@ -31,7 +31,7 @@ class OffloadPlan:
     groups: dict = field(default_factory=dict)  # name → its layer
     kept: dict = field(default_factory=dict)  # name → why it stays on the device
     sizes: dict = field(default_factory=dict)  # name → bytes
-    moves_data: bool = False  # False on the CPU: planned and reported, graphs unchanged
+    moves_data: bool = False  # False on the CPU target (lowering/registry.py): planned and reported, graphs unchanged
 
     def prefetch_after(self):
         """name → the names its reload starts copying: the first reload of a layer prefetches the next layer."""
@@ -56,8 +56,10 @@ class OffloadPlan:
                 "kept": [{"reason": r, "tensors": c, "bytes": plain(b)} for r, (c, b) in reasons.items()]}
 
 
-def plan_offload(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, num_fwd_outputs: int) -> OffloadPlan:
-    """num_fwd_outputs: how many of the forward graph's outputs are the model's (the rest are saved for backward)."""
+def plan_offload(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, num_fwd_outputs: int,
+                 copies: bool) -> OffloadPlan:
+    """num_fwd_outputs: how many of the forward graph's outputs are the model's (the rest are saved for backward);
+    copies: whether the target's lowering moves data (not on the CPU target: the plan is only reported)."""
     outputs = forward.graph.find_nodes(op="output")[0].args[0]
     model_outputs = set(outputs[:num_fwd_outputs])
     saved = {node.name: node for node in outputs[num_fwd_outputs:] if isinstance(node, torch.fx.Node)}
@@ -73,12 +75,12 @@ def plan_offload(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
         candidates.append((first_use, placeholder, produced, value))
     candidates.sort(key=lambda c: c[0])
 
-    plan = OffloadPlan(num_fwd_outputs, moves_data=any(v.device.type != "cpu" for *_, v in candidates))
-    largest = max((_bytes(v) for *_, v in candidates), key=size_hint, default=0)
+    plan = OffloadPlan(num_fwd_outputs, moves_data=copies)
+    largest = max((bytes_written(p) for _, p, *_ in candidates), key=size_hint, default=0)
     first_group = layer_of(candidates[0][1]) if candidates else None
     for _, placeholder, produced, value in candidates:
         name = placeholder.name
-        plan.sizes[name], plan.groups[name] = _bytes(value), layer_of(placeholder)
+        plan.sizes[name], plan.groups[name] = bytes_written(placeholder), layer_of(placeholder)
         if produced in model_outputs:
             plan.kept[name] = "also an output of the model: it stays on the device anyway"
         elif getattr(produced.target, "is_view", False) or value._base is not None:
@@ -105,7 +107,7 @@ def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
         if isinstance(node, torch.fx.Node) and node.name in chosen and node not in replaced:
             with forward.graph.inserting_after(node):
                 host = forward.graph.call_function(torch.ops.graphopt.offload.default, (node,))
-            _set_value(host, _on_host(node.meta["val"]))
+            _set_value(host, torch.ops.graphopt.offload.default(node.meta["val"]))  # the op's fake: on the host
             host.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
             replaced[node] = host
     output.args = (tuple(model_outputs) + tuple(replaced.get(n, n) for n in saved),) + tuple(output.args[1:])
@@ -118,7 +120,7 @@ def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
     for name in plan.offloaded:
         placeholder = placeholders[name]
         value = placeholder.meta["val"]
-        _set_value(placeholder, _on_host(value))
+        _set_value(placeholder, torch.ops.graphopt.offload.default(value))
         with backward.graph.inserting_before(first_user[name]):
             reload = backward.graph.call_function(
                 torch.ops.graphopt.reload.default,
@@ -133,15 +135,7 @@ def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
     backward.recompile()
 
 
-def _on_host(value):
-    return value.to("cpu").contiguous() if value.device.type != "cpu" else value.clone()
-
-
 def _set_value(node, value):
     node.meta["val"] = value
     node.meta["tensor_meta"] = extract_tensor_metadata(value)
-
-
-def _bytes(value):
-    return value.numel() * value.element_size()
 

@@ -47,8 +47,9 @@ class Partitioner(CustomPartitionerFn):
     partition_fn without Inductor): torch's min-cut partitioner under the chosen budget, then the offload plan.
     on_partitioned(decision: dict) receives what the report shows."""
 
-    def __init__(self, memory_budget, offload: bool, max_memory_gib, on_partitioned):
+    def __init__(self, memory_budget, offload: bool, max_memory_gib, offload_copies: bool, on_partitioned):
         self.memory_budget, self.offload, self.max_memory_gib = memory_budget, offload, max_memory_gib
+        self.offload_copies = offload_copies  # the target's lowering moves the data (else: the plan is reported)
         self.on_partitioned = on_partitioned
 
     def __call__(self, joint, joint_inputs, **kwargs):
@@ -82,7 +83,8 @@ class Partitioner(CustomPartitionerFn):
             never_recompute_the_loss(joint)
         with torch._functorch.config.patch(partitioner_config(budget)):
             graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        plan = offload_pass.plan_offload(*graphs, kwargs["num_fwd_outputs"]) if offload else None
+        plan = (offload_pass.plan_offload(*graphs, kwargs["num_fwd_outputs"], self.offload_copies)
+                if offload else None)
         estimate = estimate_peak(*graphs, offloaded=plan.offloaded if plan else ())
         return budget, offload, graphs, plan, estimate
 
@@ -118,7 +120,8 @@ class Partitioner(CustomPartitionerFn):
         return None  # the plan depends on options outside the graph: never reuse a cached compile
 
     def __getstate__(self):  # Inductor pickles its config for cache keys: the settings, not the report callback
-        return {"memory_budget": self.memory_budget, "offload": self.offload, "max_memory_gib": self.max_memory_gib}
+        return {"memory_budget": self.memory_budget, "offload": self.offload, "max_memory_gib": self.max_memory_gib,
+                "offload_copies": self.offload_copies}
 
 
 def save_layer_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> None:
