@@ -11,7 +11,8 @@ Each saved activation is either offloaded or kept on the device with a reason th
 Groups are decoder layers (the module path up to the ModuleList index). In the forward, each copy starts right
 after its tensor is written. In the backward, the first reload of a layer starts copying the next layer's
 tensors, so each layer's copies run under the compute of the layer before.
-On the CPU target the plan is made and reported, and the graphs are left as they are: there is nowhere to move to.
+Whether the copies are made is the target lowering's word (Lowering.offload_copies): on the CPU target the plan is
+made and reported, and the graphs are left as they are, since there is nowhere to move to.
 """
 
 from dataclasses import dataclass, field
