@@ -227,7 +227,7 @@ def profile_steps(forward, optimizer, input_ids, device, path, steps=2):
     for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<28} {us / 1000 / steps:8.2f} ms/step  {100 * us / total:5.1f}%", file=sys.stderr)
     print("  top kernels:", file=sys.stderr)
-    for e in sorted(kernels, key=time_of, reverse=True)[:25]:
+    for e in sorted(kernels, key=time_of, reverse=True)[:40]:
         print(f"    {time_of(e) / 1000 / steps:8.2f} ms/step ×{e.count // steps:<5} {e.key[:100]}", file=sys.stderr)
 
 

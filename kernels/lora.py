@@ -3,10 +3,11 @@
 The frozen base matmuls (x·Wᵀ forward, dY·W backward) stay cuBLAS. Everything PEFT does around them in the
 adapter dtype — the upcast of x, x·Aᵀ, ·Bᵀ, the scaling, the add, the cast back, and the same in the backward —
 runs in three Triton kernels that read each large tensor once and keep fp32 values in registers, never in
-memory: no fp32 copy of x or of the output exists, saved or transient. The rank-r products are fp32 `tl.dot`s
-in "tf32x3": three TF32 tensor-core products that carry fp32's accuracy (PEFT's fp32 matmuls run without TF32);
-plain fp32 "ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (2.4x slower in
-the 1B step on the H200, benchmarks/RESULTS.md).
+memory: no fp32 copy of x or of the output exists, saved or transient; the output is written over the base
+matmul's. The rank-r products keep fp32's accuracy on tensor cores: with a bf16 x, bf16 dots on the fp32 operand
+split in two bf16 parts (below, _split); otherwise "tf32x3", three TF32 products (PEFT's fp32 matmuls run without
+TF32). Plain fp32 "ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (2.4x
+slower in the 1B step on the H200, benchmarks/RESULTS.md).
 """
 
 import torch
@@ -16,9 +17,41 @@ import triton.language as tl
 from graphopt.kernels.layout import as_rows
 
 
+# On NVIDIA with a bf16 x (or dY), the rank-r products run as bf16 tensor-core dots with fp32 accumulation, the fp32
+# operand split in two bf16 parts (hi = bf16(v), lo = bf16(v - hi), 16 significant bits together): x is exact in
+# bf16, so x·hi + x·lo is the fp32 product to ~2^-17 relative, two dots at bf16's rate and no per-element work on
+# the large operand (tf32x3 splits both operands and runs three dots at half that rate). Where both operands are
+# fp32 (·Bᵀ in _add_low_rank_kernel), three dots hi·hi + hi·lo + lo·hi, rounded into a bf16 output anyway.
+# Not for the CPU interpreter, which computes bf16 dots wrong (DESIGN.md): the launch functions choose it on CUDA.
+@triton.jit
+def _split(v):
+    hi = v.to(tl.bfloat16)
+    return hi, (v - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_exact_by_split(x_bf16, w):
+    hi, lo = _split(w)
+    return tl.dot(x_bf16, hi) + tl.dot(x_bf16, lo)
+
+
+@triton.jit
+def _split_dot_exact(g, x_bf16):
+    hi, lo = _split(g)
+    return tl.dot(hi, x_bf16) + tl.dot(lo, x_bf16)
+
+
+@triton.jit
+def _dot_bf16x3(a, b):
+    a_hi, a_lo = _split(a)
+    b_hi, b_lo = _split(b)
+    return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
+
+
 @triton.jit
 def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_wk, scale,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                    SPLIT_BF16: tl.constexpr):
     # Y[m, r] = scale · Σ_k X[m, k] · W[r, k]; Y is [n_rows, rank] fp32, contiguous
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ranks = tl.arange(0, BLOCK_R)
@@ -26,10 +59,13 @@ def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_w
     for start in range(0, n_cols, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x = tl.load(X + rows[:, None] * stride_x + ks[None, :],
-                    mask=(rows < n_rows)[:, None] & (ks < n_cols)[None, :], other=0.0).to(tl.float32)
+                    mask=(rows < n_rows)[:, None] & (ks < n_cols)[None, :], other=0.0)
         w = tl.load(W + ranks[None, :] * stride_wr + ks[:, None] * stride_wk,
                     mask=(ranks < rank)[None, :] & (ks < n_cols)[:, None], other=0.0).to(tl.float32)
-        acc += tl.dot(x, w, input_precision=PRECISION)
+        if SPLIT_BF16:
+            acc += _dot_exact_by_split(x, w)
+        else:
+            acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)
     tl.store(Y + rows[:, None] * rank + ranks[None, :], acc * scale,
              mask=(rows < n_rows)[:, None] & (ranks < rank)[None, :])
 
@@ -37,7 +73,7 @@ def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_w
 @triton.jit
 def _reduce_rows_kernel(G, X, P, n_rows, n_cols, rank, rows_per_split, stride_x,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):
     # P[split, r, n] = Σ_{m in split} G[m, r] · X[m, n]; G is [n_rows, rank] fp32 contiguous
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1).to(tl.int64)
@@ -50,8 +86,11 @@ def _reduce_rows_kernel(G, X, P, n_rows, n_cols, rank, rows_per_split, stride_x,
         g = tl.load(G + rows[None, :] * rank + ranks[:, None],
                     mask=(rows < end)[None, :] & (ranks < rank)[:, None], other=0.0)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :],
-                    mask=(rows < end)[:, None] & (cols < n_cols)[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(g, x, input_precision=PRECISION)
+                    mask=(rows < end)[:, None] & (cols < n_cols)[None, :], other=0.0)
+        if SPLIT_BF16:
+            acc += _split_dot_exact(g, x)
+        else:
+            acc += tl.dot(g, x.to(tl.float32), input_precision=PRECISION)
     tl.store(P + split * rank * n_cols + ranks[:, None] * n_cols + cols[None, :], acc,
              mask=(ranks < rank)[:, None] & (cols < n_cols)[None, :])
 
@@ -59,7 +98,7 @@ def _reduce_rows_kernel(G, X, P, n_rows, n_cols, rank, rows_per_split, stride_x,
 @triton.jit
 def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, stride_wn, stride_wr, scale,
                          ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):
     # OUT[m, n] = BASE[m, n] + scale · Σ_r XA[m, r] · W[n, r], rounded once to OUT's dtype (with ROUND_FIRST the
     # low-rank term is rounded to it before the add, as autograd's accumulation of two bf16 gradients does)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -69,7 +108,10 @@ def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, st
                  mask=(rows < n_rows)[:, None] & (ranks < rank)[None, :], other=0.0)
     w = tl.load(W + cols[None, :] * stride_wn + ranks[:, None] * stride_wr,
                 mask=(cols < n_cols)[None, :] & (ranks < rank)[:, None], other=0.0).to(tl.float32)
-    low_rank = tl.dot(xa, w, input_precision=PRECISION) * scale
+    if SPLIT_BF16:
+        low_rank = _dot_bf16x3(xa, w) * scale
+    else:
+        low_rank = tl.dot(xa, w, input_precision=PRECISION) * scale
     if ROUND_FIRST:
         low_rank = low_rank.to(OUT.dtype.element_ty).to(tl.float32)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -100,6 +142,10 @@ def _block_r(rank):
     return max(16, triton.next_power_of_2(rank))  # tl.dot needs every block dimension ≥ 16
 
 
+def _split_bf16(x_rows):
+    return x_rows.dtype == torch.bfloat16 and x_rows.is_cuda
+
+
 def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
     """[rows, rank] fp32 = scale · x_rows · Wᵀ, W given as (tensor, strides of its [rank, cols] view)."""
     n_rows, n_cols = x_rows.shape
@@ -107,7 +153,7 @@ def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
     out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
     _project_kernel[(triton.cdiv(n_rows, config["BLOCK_M"]),)](
         x_rows, weight, out, n_rows, n_cols, rank, x_rows.stride(0), stride_wr, stride_wk, scale,
-        BLOCK_R=_block_r(rank), PRECISION=PRECISION, **config)
+        BLOCK_R=_block_r(rank), PRECISION=PRECISION, SPLIT_BF16=_split_bf16(x_rows), **config)
     return out
 
 
@@ -125,18 +171,22 @@ def _reduce_rows(g, x_rows):
     partial = torch.empty((splits, rank, n_cols), dtype=torch.float32, device=x_rows.device)  # all written
     _reduce_rows_kernel[(col_blocks, splits)](
         g, x_rows, partial, n_rows, n_cols, rank, rows_per_split, x_rows.stride(0),
-        BLOCK_R=_block_r(rank), PRECISION=PRECISION, **config)
+        BLOCK_R=_block_r(rank), PRECISION=PRECISION, SPLIT_BF16=_split_bf16(x_rows), **config)
     return partial.sum(0)
 
 
 def _add_low_rank(base, xa, weight, stride_wn, stride_wr, scale, out_dtype, round_first):
+    """base + scale · xa · Wᵀ in out_dtype, written over base (a fresh matmul result) when it has that dtype:
+    each element is read and written by one program, and the step's peak holds one such buffer, not two."""
     n_rows, n_cols = base.shape
     config = CONFIGS[base.device.type]["add_low_rank"]
-    out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
+    in_place = base.dtype == out_dtype and base.is_contiguous()
+    out = base if in_place else torch.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
     grid = (triton.cdiv(n_rows, config["BLOCK_M"]), triton.cdiv(n_cols, config["BLOCK_N"]))
     _add_low_rank_kernel[grid](
         base, xa, weight, out, n_rows, n_cols, xa.shape[1], base.stride(0), stride_wn, stride_wr, scale,
-        ROUND_FIRST=round_first, BLOCK_R=_block_r(xa.shape[1]), PRECISION=PRECISION, **config)
+        ROUND_FIRST=round_first, BLOCK_R=_block_r(xa.shape[1]), PRECISION=PRECISION,
+        SPLIT_BF16=out_dtype == torch.bfloat16 and base.is_cuda, **config)
     return out
 
 

@@ -28,7 +28,7 @@ import torch._functorch.config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
-from torch.utils.flop_counter import register_flop_formula
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from graphopt.passes import offload as offload_pass
 from graphopt.passes.memory import estimate_peak
@@ -191,3 +191,25 @@ def _linear_cross_entropy_flops(hidden_shape, weight_shape, bias_shape, target_s
                                 softcap, chunk_rows, grad_hidden, grad_weight, **kwargs):
     rows, (vocab, hidden) = hidden_shape[0], weight_shape
     return 2 * rows * vocab * hidden * (1 + grad_hidden + grad_weight)  # logits, then each gradient asked for
+
+
+# torch before 2.13 counts SDPA's FLOPs only when k and v have q's number of heads: under GQA (enable_gqa, which
+# passes/attention.py sets) its formula raises, in the knapsack's estimator and in the report. Counted here as the
+# repeated k and v SDPA computes with, which is what later torch counts too.
+def _gqa_counted_as_repeated(formula, query_at):
+    def count(*args, **kwargs):
+        query, key, value = args[query_at:query_at + 3]
+        if key.shape[1] != query.shape[1]:
+            key, value = (t.new_empty((t.shape[0], query.shape[1], *t.shape[2:])) for t in (key, value))
+            args = (*args[:query_at], query, key, value, *args[query_at + 3:])
+        return formula(*args, **kwargs)
+    return count
+
+
+_aten = torch.ops.aten
+for _op, _query_at in [(_aten._scaled_dot_product_cudnn_attention, 0), (_aten._scaled_dot_product_flash_attention, 0),
+                       (_aten._scaled_dot_product_efficient_attention, 0),
+                       (_aten._scaled_dot_product_cudnn_attention_backward, 1),
+                       (_aten._scaled_dot_product_flash_attention_backward, 1),
+                       (_aten._scaled_dot_product_efficient_attention_backward, 1)]:
+    flop_registry[_op] = _gqa_counted_as_repeated(flop_registry[_op], _query_at)

@@ -1,5 +1,6 @@
-"""The fusion passes, in the order the pipeline runs them: name → pass(gm, report) → number fused."""
+"""The fusion (and rewrite) passes, in the order the pipeline runs them: name → pass(gm, report) → number fused."""
 
+from graphopt.passes.attention import rewrite_attention
 from graphopt.passes.fuse_linear_ce import fuse_linear_ce
 from graphopt.passes.fuse_lora import fuse_lora
 from graphopt.passes.fuse_rmsnorm import fuse_rmsnorm
@@ -7,6 +8,7 @@ from graphopt.passes.fuse_rope import fuse_rope
 from graphopt.passes.fuse_swiglu import fuse_swiglu
 
 FUSIONS = {
+    "attention": rewrite_attention,  # SDPA: a provably causal mask → is_causal, repeat_kv → enable_gqa
     "rms_norm": fuse_rmsnorm,
     "rope": fuse_rope,  # q and k of one attention layer
     "swiglu": fuse_swiglu,  # SwiGLU and GeGLU

@@ -147,3 +147,22 @@ def test_the_estimate_counts_what_inductor_writes_to_memory():
         gm = make_fx(fn, tracing_mode="fake")(x, w)
         # the exp result and the matmul's output are live together; the sum's 4 bytes come after
         assert memory.walk_peak(gm, resident=0)[0] == transient, fn.__name__
+
+
+@pytest.mark.parametrize("op, query_at", [("_scaled_dot_product_cudnn_attention", 0),
+                                          ("_scaled_dot_product_flash_attention", 0),
+                                          ("_scaled_dot_product_efficient_attention", 0),
+                                          ("_scaled_dot_product_cudnn_attention_backward", 1),
+                                          ("_scaled_dot_product_flash_attention_backward", 1),
+                                          ("_scaled_dot_product_efficient_attention_backward", 1)])
+def test_attention_flops_count_gqa_as_repeated_key_and_value(op, query_at):
+    """The knapsack prices recomputed attention by these formulas; torch 2.11's raised on GQA shapes (8 KV heads
+    for 32 query heads), which failed every budget below 1 once passes/attention.py set enable_gqa."""
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry[getattr(torch.ops.aten, op)]
+    q = torch.empty(2, 32, 128, 64, device="meta", dtype=torch.bfloat16)
+    k, repeated = (torch.empty(2, heads, 128, 64, device="meta", dtype=torch.bfloat16) for heads in (8, 32))
+    before = [q] * query_at
+    grouped = formula(*before, q, k, k, None, out_val=None)
+    assert grouped == formula(*before, q, repeated, repeated, None, out_val=None) > 0
