@@ -180,6 +180,7 @@ def prepare(args, device, dtype):
 
 
 def train_step(forward, optimizer, input_ids):
+    torch.compiler.cudagraph_mark_step_begin()  # a new step: CUDA graph trees may reuse the last step's outputs
     loss = forward(input_ids=input_ids, labels=input_ids).loss
     loss.backward()
     optimizer.step()

@@ -12,6 +12,11 @@ class OptionError(ValueError):
     """A bad option passed to the graphopt backend."""
 
 
+# The default trades a little speed for much memory: at the Llama-3.2-1B shape on the H200, 1 trains at 74.6k
+# tokens/s in 9.32 GiB, 0.5 at 65.4k in 6.40 GiB, 0.75 at 68.7k in 7.84 GiB (benchmarks/RESULTS.md).
+DEFAULT_MEMORY_BUDGET = 0.6
+
+
 @dataclass(frozen=True)
 class Options:
     target: str = "auto"
@@ -20,22 +25,26 @@ class Options:
     keep_logits: bool = False  # materialize the logits even when the loss is fused (training with labels)
     # 1: save what the fastest plan saves; 0: save each decoder layer's input only, recompute the rest layer by
     # layer; "auto": the fastest plan whose estimated peak fits max_memory_gib (passes/recompute.py)
-    memory_budget: object = 1.0
+    memory_budget: object = DEFAULT_MEMORY_BUDGET
     offload: bool = False  # saved activations go to pinned host memory, prefetched back (passes/offload.py)
     max_memory_gib: Optional[float] = None  # with memory_budget="auto": the device memory the step may use
+    # Inductor replays each compiled graph as a CUDA graph: one launch instead of one per kernel, for hosts whose
+    # CPU cannot launch the step's ~1,500 kernels as fast as the GPU runs them (benchmarks/RESULTS.md)
+    cuda_graphs: bool = False
 
 
 def _describe_valid(fusion_names) -> str:
     return (f"valid options: target={'|'.join(TARGETS)}; "
             f"fusions={{name: bool}} or a list of names to enable, names: {', '.join(fusion_names)}; "
             f"report=path ending in {', '.join(REPORT_SUFFIXES)}; keep_logits=True|False; "
-            f"memory_budget=a number from 0 to 1, or \"auto\" with max_memory_gib=N; offload=True|False")
+            f"memory_budget=a number from 0 to 1, or \"auto\" with max_memory_gib=N; offload=True|False; "
+            f"cuda_graphs=True|False")
 
 
 def parse_options(raw: dict, fusion_names) -> Options:
     fusion_names = tuple(fusion_names)
     unknown = sorted(set(raw) - {"target", "fusions", "report", "keep_logits", "memory_budget", "offload",
-                                "max_memory_gib"})
+                                "max_memory_gib", "cuda_graphs"})
     if unknown:
         raise OptionError(f"unknown graphopt option(s) {unknown}; {_describe_valid(fusion_names)}")
 
@@ -67,12 +76,16 @@ def parse_options(raw: dict, fusion_names) -> Options:
     keep_logits = raw.get("keep_logits", False)
     if not isinstance(keep_logits, bool):
         raise OptionError(f"keep_logits must be True or False, got {keep_logits!r}")
-    memory_budget, max_memory_gib = _memory_budget(raw.get("memory_budget", 1.0), raw.get("max_memory_gib"))
+    memory_budget, max_memory_gib = _memory_budget(raw.get("memory_budget", DEFAULT_MEMORY_BUDGET), raw.get("max_memory_gib"))
     offload = raw.get("offload", False)
     if not isinstance(offload, bool):
         raise OptionError(f"offload must be True or False, got {offload!r}")
+    cuda_graphs = raw.get("cuda_graphs", False)
+    if not isinstance(cuda_graphs, bool):
+        raise OptionError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
     return Options(target=target, fusions=frozenset(enabled), report=report, keep_logits=keep_logits,
-                   memory_budget=memory_budget, offload=offload, max_memory_gib=max_memory_gib)
+                   memory_budget=memory_budget, offload=offload, max_memory_gib=max_memory_gib,
+                   cuda_graphs=cuda_graphs)
 
 
 def _memory_budget(budget, max_memory_gib):

@@ -65,7 +65,11 @@ def _autograd_partition_lower(gm, example_inputs, lowering, report, options):
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.
         decompositions = {**select_decomp_table(), **lowering.decompositions}
-        with torch._inductor.config.patch(custom_partitioner_fn=partitioner):
+        # cuda_graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition)
+        settings = dict(custom_partitioner_fn=partitioner)
+        if options.cuda_graphs:
+            settings.update({"triton.cudagraphs": True, "graph_partition": True})
+        with torch._inductor.config.patch(settings):
             return compile_fx(gm, example_inputs, decompositions=decompositions)
 
     return aot_autograd(

@@ -331,7 +331,9 @@ linear_cross_entropy.register_autograd(_linear_ce_grad, setup_context=_linear_ce
 
 # --- offload / reload: saved activations to host memory and back (inserted by passes/offload.py) -----------
 
-@torch.library.custom_op("graphopt::offload", mutates_args=())
+# cudagraph_unsafe: side streams, events and pinned host memory cannot be captured; Inductor splits its CUDA graphs
+# around these ops (cuda_graphs=True).
+@torch.library.custom_op("graphopt::offload", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def offload(x: Tensor) -> Tensor:
     """A contiguous copy of x in host memory (pinned, copied on a side stream: lowering/transfer.py)."""
     return transfer.offload(x)
@@ -342,7 +344,7 @@ def _offload_fake(x):
     return torch.empty(x.shape, dtype=x.dtype, device="cpu")
 
 
-@torch.library.custom_op("graphopt::reload", mutates_args=())
+@torch.library.custom_op("graphopt::reload", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def reload(host: Tensor, device: torch.device, prefetch: list[Tensor]) -> Tensor:
     """host's copy on device, once the compute stream may read it; then starts copying `prefetch` (host tensors
     the backward reloads next) so they are there before they are needed."""

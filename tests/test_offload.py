@@ -142,6 +142,13 @@ def test_transfer_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.graphopt.reload.default, (host, torch.device("cpu"), [host.clone()]))
 
 
+def test_transfer_ops_are_never_captured_in_cuda_graphs():
+    """Side streams, events and pinned memory cannot be captured: with cuda_graphs=True Inductor must split its
+    CUDA graphs around these two ops, which it does for ops tagged cudagraph_unsafe."""
+    for op in (torch.ops.graphopt.offload.default, torch.ops.graphopt.reload.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copies to host memory and back need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])

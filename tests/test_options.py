@@ -8,7 +8,7 @@ import torch._dynamo
 
 import graphopt
 from graphopt.devices import resolve_target
-from graphopt.options import REPORT_SUFFIXES, TARGETS, OptionError, Options, parse_options
+from graphopt.options import DEFAULT_MEMORY_BUDGET, REPORT_SUFFIXES, TARGETS, OptionError, Options, parse_options
 from graphopt.passes.registry import FUSIONS
 
 NAMES = ("rms_norm", "rope", "swiglu")
@@ -178,7 +178,7 @@ def test_compile_target_cuda_on_cpu_tensors(fresh_dynamo):
 @pytest.mark.parametrize("budget", [0, 0.3, 1])
 def test_memory_budget_accepts_zero_to_one(budget):
     assert parse_options({"memory_budget": budget}, NAMES).memory_budget == budget
-    assert parse_options({}, NAMES).memory_budget == 1.0
+    assert parse_options({}, NAMES).memory_budget == DEFAULT_MEMORY_BUDGET
 
 
 @pytest.mark.parametrize("budget", [-0.1, 1.5, "fast", True, None])
@@ -214,3 +214,29 @@ def test_offload_takes_a_bool(offload):
 def test_offload_that_is_not_a_bool_is_an_error(offload):
     with pytest.raises(OptionError, match="offload must be True or False"):
         parse_options({"offload": offload}, NAMES)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_cuda_graphs_reach_inductor(on, fresh_dynamo, monkeypatch):
+    """cuda_graphs=True compiles with Inductor's CUDA graph trees on (and graph partitions around the offload
+    copies); off, Inductor's own setting is left as it is."""
+    import graphopt.pipeline
+
+    seen = []
+    compile_fx = graphopt.pipeline.compile_fx
+
+    def spy(*args, **kwargs):
+        seen.append(torch._inductor.config.triton.cudagraphs)
+        return compile_fx(*args, **kwargs)
+
+    monkeypatch.setattr(graphopt.pipeline, "compile_fx", spy)
+    assert parse_options({"cuda_graphs": on}, NAMES).cuda_graphs is on
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="graphopt", options={"cuda_graphs": on})
+    compiled(torch.randn(2, 4)).sum().backward()
+    assert seen == [on] and torch._inductor.config.triton.cudagraphs is False
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_cuda_graphs_must_be_a_bool(value):
+    with pytest.raises(OptionError, match="cuda_graphs must be True or False"):
+        parse_options({"cuda_graphs": value}, NAMES)
