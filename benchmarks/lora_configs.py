@@ -72,12 +72,12 @@ def main():
     for name, grid in GRIDS.items():
         results = []
         for precision, config in [("ieee", current[name])] + [("tf32x3", c) for c in [current[name]] + grid]:
-            lora.PRECISION, lora.CONFIGS["cuda"][name] = precision, config
+            lora.PRECISION["cuda"], lora.CONFIGS["cuda"][name] = precision, config
             try:
                 results.append((*weighted_time(calls[name]), precision, config))
             except Exception as error:  # a config the GPU cannot run (out of shared memory, ...)
                 print(f"  {name} {config}: {type(error).__name__}")
-        lora.PRECISION, lora.CONFIGS["cuda"][name] = "tf32x3", current[name]
+        lora.PRECISION["cuda"], lora.CONFIGS["cuda"][name] = "tf32x3", current[name]
         print(f"\n{name}: µs per layer and step, weighted (per shape)")
         for label, (total, per_shape, *_) in [("current, ieee", results[0]),
                                                               ("current, tf32x3", results[1])]:

@@ -23,7 +23,8 @@ def split(rows):
     sweep, points = [], []
     for r in rows:
         options = json.loads(r["options"]) if r.get("options") else {}
-        budget = options.get("memory_budget", 1)
+        # the budget the run used (recorded since the default became 0.6; older lines left it out: default 1)
+        budget = r["memory_budget"] if r.get("memory_budget") is not None else options.get("memory_budget", 1)
         if r["variant"] == "graphopt" and set(options) <= {"memory_budget"} and isinstance(budget, (int, float)):
             sweep.append((budget, r))
         else:
@@ -58,7 +59,7 @@ def main():
     axes.set_ylabel("training tokens/s")
     axes.set_title(args.title, fontsize=10)
     axes.grid(alpha=0.3)
-    axes.legend(loc="lower right", fontsize=8)
+    axes.legend(loc="upper right", fontsize=8)
     figure.tight_layout()
     figure.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")

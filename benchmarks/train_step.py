@@ -266,8 +266,9 @@ def run(args):
     synchronize(device)
     seconds = time.perf_counter() - start
     peak_alloc = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    estimated_peak = None
+    estimated_peak = memory_budget = None
     if args.variant == "graphopt" and graphopt.last_report().saved_for_backward:
+        memory_budget = graphopt.last_report().saved_for_backward["memory_budget"]  # the one used, default or chosen
         estimate = graphopt.last_report().saved_for_backward["estimate"]
         estimated_peak = estimate["estimated_peak_bytes"]
         if peak_alloc is not None:
@@ -280,6 +281,7 @@ def run(args):
     result = {
         "variant": args.variant,
         "options": args.options if args.variant == "graphopt" else None,
+        "memory_budget": memory_budget,
         "shape": args.shape,
         "batch": args.batch,
         "seq": args.seq,

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphopt.kernels import layout
 from graphopt.kernels.layout import as_rows
 
 _SILU, _GELU_TANH = 0, 1
@@ -54,9 +55,9 @@ def _gated_backward_kernel(DH, G, U, DG, DU, n_rows, n_cols, stride_dh, stride_g
     tl.store(DU + rows * stride_du + cols, (dh * act).to(DU.dtype.element_ty), mask=mask)
 
 
-def _grid(n_rows, n_cols, device):
+def _grid(n_rows, n_cols, like):
     block_n = min(triton.next_power_of_2(max(n_cols, 1)), 1024)
-    elements = 65536 if device.type == "cpu" else 4096  # the interpreter wants few, large programs
+    elements = 65536 if layout.platform(like) == "cpu" else 4096  # the interpreter wants few, large programs
     block_m = max(1, min(elements // block_n, triton.next_power_of_2(max(n_rows, 1))))
     return block_m, block_n, (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
 
@@ -66,7 +67,7 @@ def gated_activation_forward(gate, up, activation):
     g, u = as_rows(gate, n_cols), as_rows(up, n_cols)
     h = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     if h.numel():
-        block_m, block_n, grid = _grid(g.shape[0], n_cols, gate.device)
+        block_m, block_n, grid = _grid(g.shape[0], n_cols, gate)
         _gated_forward_kernel[grid](g, u, h, g.shape[0], n_cols, g.stride(0), u.stride(0), h.stride(0),
                                     KIND=_KINDS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return h.view(gate.shape)
@@ -78,7 +79,7 @@ def gated_activation_backward(grad_out, gate, up, activation):
     dg = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     du = torch.empty(u.shape, dtype=up.dtype, device=up.device)
     if dg.numel():
-        block_m, block_n, grid = _grid(g.shape[0], n_cols, gate.device)
+        block_m, block_n, grid = _grid(g.shape[0], n_cols, gate)
         _gated_backward_kernel[grid](dh, g, u, dg, du, g.shape[0], n_cols, dh.stride(0), g.stride(0), u.stride(0),
                                      dg.stride(0), du.stride(0), KIND=_KINDS[activation], BLOCK_M=block_m,
                                      BLOCK_N=block_n, num_warps=4)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphopt.kernels import layout
 from graphopt.kernels.layout import as_rows
 
 
@@ -119,16 +120,24 @@ def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, st
     tl.store(OUT + rows[:, None] * n_cols + cols[None, :], (base + low_rank).to(OUT.dtype.element_ty), mask=mask)
 
 
-# tf32x3 on NVIDIA; the CPU interpreter ignores the precision and multiplies in fp32.
-PRECISION = "tf32x3"
+# The fp32 dots' precision per platform: fp32's accuracy from tensor-core products. NVIDIA: three TF32 products;
+# AMD (Triton has no tf32x3 there, tests/test_aot.py): six bf16 products; the CPU interpreter multiplies in fp32.
+PRECISION = {"cuda": "tf32x3", "hip": "bf16x6", "cpu": "ieee"}
 
-# Launch configurations per device type. CUDA: the best of benchmarks/lora_configs.py at the Llama-3.2-1B shapes
-# on the H200 (benchmarks/RESULTS.md); CPU (the interpreter): large blocks, so that its Python-level loops are few.
+# Launch configurations per platform (kernels/layout.py). CUDA: the best of benchmarks/lora_configs.py at the
+# Llama-3.2-1B shapes on the H200 (benchmarks/RESULTS.md). HIP: CUDA's blocks with 2 stages, the AMD software
+# pipeliner's usual depth; compiled for gfx942, gfx90a and gfx1100 in CI (tests/test_aot.py), not yet measured on
+# AMD hardware. CPU (the interpreter): large blocks, so that its Python-level loops are few.
 CONFIGS = {
     "cuda": {
         "project": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
         "reduce_rows": dict(BLOCK_M=64, BLOCK_N=128, programs=528, num_warps=4, num_stages=3),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+    },
+    "hip": {
+        "project": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=2),
+        "reduce_rows": dict(BLOCK_M=64, BLOCK_N=128, programs=528, num_warps=4, num_stages=2),
+        "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
     },
     "cpu": {
         "project": dict(BLOCK_M=128, BLOCK_K=64),
@@ -143,17 +152,18 @@ def _block_r(rank):
 
 
 def _split_bf16(x_rows):
-    return x_rows.dtype == torch.bfloat16 and x_rows.is_cuda
+    return x_rows.dtype == torch.bfloat16 and layout.platform(x_rows) != "cpu"
 
 
 def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
     """[rows, rank] fp32 = scale · x_rows · Wᵀ, W given as (tensor, strides of its [rank, cols] view)."""
     n_rows, n_cols = x_rows.shape
-    config = CONFIGS[x_rows.device.type]["project"]
+    config = CONFIGS[layout.platform(x_rows)]["project"]
     out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
     _project_kernel[(triton.cdiv(n_rows, config["BLOCK_M"]),)](
         x_rows, weight, out, n_rows, n_cols, rank, x_rows.stride(0), stride_wr, stride_wk, scale,
-        BLOCK_R=_block_r(rank), PRECISION=PRECISION, SPLIT_BF16=_split_bf16(x_rows), **config)
+        BLOCK_R=_block_r(rank), PRECISION=PRECISION[layout.platform(x_rows)], SPLIT_BF16=_split_bf16(x_rows),
+        **config)
     return out
 
 
@@ -161,7 +171,7 @@ def _reduce_rows(g, x_rows):
     """[rank, cols] fp32 = gᵀ · x_rows, reduced over rows in splits (enough programs to fill the GPU) then summed."""
     n_rows, n_cols = x_rows.shape
     rank = g.shape[1]
-    config = dict(CONFIGS[x_rows.device.type]["reduce_rows"])
+    config = dict(CONFIGS[layout.platform(x_rows)]["reduce_rows"])
     programs = config.pop("programs")
     block_m = config["BLOCK_M"]
     col_blocks = triton.cdiv(n_cols, config["BLOCK_N"])
@@ -171,7 +181,8 @@ def _reduce_rows(g, x_rows):
     partial = torch.empty((splits, rank, n_cols), dtype=torch.float32, device=x_rows.device)  # all written
     _reduce_rows_kernel[(col_blocks, splits)](
         g, x_rows, partial, n_rows, n_cols, rank, rows_per_split, x_rows.stride(0),
-        BLOCK_R=_block_r(rank), PRECISION=PRECISION, SPLIT_BF16=_split_bf16(x_rows), **config)
+        BLOCK_R=_block_r(rank), PRECISION=PRECISION[layout.platform(x_rows)], SPLIT_BF16=_split_bf16(x_rows),
+        **config)
     return partial.sum(0)
 
 
@@ -179,14 +190,14 @@ def _add_low_rank(base, xa, weight, stride_wn, stride_wr, scale, out_dtype, roun
     """base + scale · xa · Wᵀ in out_dtype, written over base (a fresh matmul result) when it has that dtype:
     each element is read and written by one program, and the step's peak holds one such buffer, not two."""
     n_rows, n_cols = base.shape
-    config = CONFIGS[base.device.type]["add_low_rank"]
+    config = CONFIGS[layout.platform(base)]["add_low_rank"]
     in_place = base.dtype == out_dtype and base.is_contiguous()
     out = base if in_place else torch.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
     grid = (triton.cdiv(n_rows, config["BLOCK_M"]), triton.cdiv(n_cols, config["BLOCK_N"]))
     _add_low_rank_kernel[grid](
         base, xa, weight, out, n_rows, n_cols, xa.shape[1], base.stride(0), stride_wn, stride_wr, scale,
-        ROUND_FIRST=round_first, BLOCK_R=_block_r(xa.shape[1]), PRECISION=PRECISION,
-        SPLIT_BF16=out_dtype == torch.bfloat16 and base.is_cuda, **config)
+        ROUND_FIRST=round_first, BLOCK_R=_block_r(xa.shape[1]), PRECISION=PRECISION[layout.platform(base)],
+        SPLIT_BF16=out_dtype == torch.bfloat16 and layout.platform(base) != "cpu", **config)
     return out
 
 

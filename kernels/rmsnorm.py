@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from graphopt.kernels import layout
 from graphopt.kernels.layout import as_rows
 
 # One program holds a whole row in registers; wider rows use the reference (no LLM is near this).
@@ -70,10 +71,10 @@ def _rms_norm_backward_kernel(
         tl.store(DW_PARTIAL + pid * n_cols + cols, dw_acc, mask=col_mask)
 
 
-def _tile(n_rows: int, n_cols: int, device: torch.device):
+def _tile(n_rows: int, n_cols: int, like: torch.Tensor):
     """Block shape and warps. On CPU (the Triton interpreter) big tiles keep the program count low."""
     block_n = triton.next_power_of_2(n_cols)
-    elements = 65536 if device.type == "cpu" else 4096
+    elements = 65536 if layout.platform(like) == "cpu" else 4096
     block_m = max(1, min(elements // block_n, triton.next_power_of_2(max(n_rows, 1))))
     tile = block_m * block_n
     num_warps = 4 if tile <= 2048 else 8 if tile <= 8192 else 16
@@ -99,7 +100,7 @@ def rms_norm_forward(x, weight, eps, weight_offset, out_dtype):
     n_rows = x2.shape[0]
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     if n_rows > 0:
-        block_m, block_n, num_warps = _tile(n_rows, n_cols, x.device)
+        block_m, block_n, num_warps = _tile(n_rows, n_cols, x)
         _rms_norm_forward_kernel[(triton.cdiv(n_rows, block_m),)](
             x2, weight if weight is not None else x2, y, n_rows, n_cols, x2.stride(0), y.stride(0),
             eps, weight_offset, HAS_WEIGHT=weight is not None, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -116,8 +117,8 @@ def rms_norm_backward(grad_out, x, weight, eps, weight_offset, compute_weight_gr
     weight = weight.contiguous() if weight is not None else None
     n_rows = x2.shape[0]
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-    block_m, block_n, num_warps = _tile(n_rows, n_cols, x.device)
-    programs = 2 * _multiprocessors(x.device) if x.device.type == "cuda" else 4
+    block_m, block_n, num_warps = _tile(n_rows, n_cols, x)
+    programs = 4 if layout.platform(x) == "cpu" else 2 * _multiprocessors(x.device)
     rows_per_program = triton.cdiv(triton.cdiv(max(n_rows, 1), programs), block_m) * block_m
     programs = triton.cdiv(max(n_rows, 1), rows_per_program)
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device) if compute_weight_grad else dx

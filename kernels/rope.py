@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphopt.kernels import layout
+
 
 @triton.jit
 def _rotate_rows(X, Y, C, S, program, n_rows, n_heads, seq, stride_xb, stride_xh, stride_xs, stride_xd,
@@ -67,7 +69,7 @@ def _launch(q, k, cos, sin, backward):
     block_h = triton.next_power_of_2(rot_dim // 2)
     block_p = triton.next_power_of_2(head_dim - rot_dim) if head_dim > rot_dim else 0
     q_rows, k_rows = q.numel() // head_dim, k.numel() // head_dim
-    elements = 65536 if q.device.type == "cpu" else 4096  # the interpreter wants few, large programs
+    elements = 65536 if layout.platform(q) == "cpu" else 4096  # the interpreter wants few, large programs
     row_elements = triton.next_power_of_2(2 * block_h + block_p)
     block_m = max(1, min(elements // row_elements, triton.next_power_of_2(max(q_rows, k_rows, 1))))
     q_programs = triton.cdiv(q_rows, block_m)

@@ -29,7 +29,8 @@ class Lowering:
 
 def lowering_for(target: str) -> Lowering:
     if target in ("cuda", "hip") and cuda is not None:
-        note = "" if target == "cuda" else "Triton kernels with NVIDIA launch configurations, not yet tuned for AMD"
+        note = "" if target == "cuda" else ("Triton kernels with HIP launch configurations (kernels/lora.py), compiled "
+                                            "for gfx942, gfx90a and gfx1100 in CI; not yet measured on AMD GPUs")
         return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note)
     if target == "cpu":

@@ -1,0 +1,102 @@
+"""Compile every Triton kernel of graphopt/kernels ahead of time for one GPU target, on a machine without a GPU.
+
+    python tests/aot_compile.py hip gfx942 64        (or: cuda 90 32)   → one JSON line per kernel launch
+
+Each launch function of kernels/ runs on small CPU tensors with its kernels replaced by recorders, under the
+platform the target implies (kernels/layout.py), so what compiles is exactly what that platform would launch:
+the kernel, its argument types, its constexprs, num_warps and num_stages. tests/test_aot.py runs this in a
+process of its own: Triton's interpreter (which the CPU tests use) must be off for kernels to compile.
+"""
+
+import json
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import KernelInterface
+
+from graphopt.kernels import cross_entropy, gated_activation, layout, lora, rmsnorm, rope
+
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+           torch.int32: "*i32", torch.bool: "*i1"}
+launches = []
+
+
+def record(kernel, grid):  # kernel[grid](*args, **kwargs) records instead of launching
+    return lambda *args, **kwargs: launches.append((kernel, args, kwargs))
+
+
+def signature(kernel, args, kwargs):
+    kwargs = dict(kwargs)
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    values = dict(zip(kernel.arg_names, args)) | kwargs
+    types, constexprs = {}, {}
+    for param in kernel.params:
+        name, value = param.name, values[param.name]
+        if param.is_constexpr or value is None:
+            types[name], constexprs[name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            types[name] = POINTER[value.dtype]
+        elif isinstance(value, bool):
+            types[name] = "i1"
+        elif isinstance(value, int):
+            types[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        else:
+            types[name] = "fp32"
+    return types, constexprs, options
+
+
+def run_launch_functions():
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x, w = randn(64, 256, dtype=dtype), randn(256, dtype=dtype)
+        rmsnorm.rms_norm_forward(x, w, 1e-6, 0.0, dtype)
+        rmsnorm.rms_norm_backward(randn(64, 256, dtype=dtype), x, w, 1e-6, 0.0, True)
+        gate, up = randn(64, 512, dtype=dtype), randn(64, 512, dtype=dtype)
+        for activation in ("silu", "gelu_tanh"):
+            gated_activation.gated_activation_forward(gate, up, activation)
+            gated_activation.gated_activation_backward(randn(64, 512, dtype=dtype), gate, up, activation)
+        q, k = randn(2, 8, 32, 64, dtype=dtype), randn(2, 2, 32, 64, dtype=dtype)
+        cos, sin = randn(1, 32, 64, dtype=dtype), randn(1, 32, 64, dtype=dtype)
+        rope.rope_forward(q, k, cos, sin)
+        rope.rope_backward(q, k, cos, sin)
+        lora_a, lora_b = randn(16, 256, dtype=torch.float32), randn(512, 16, dtype=torch.float32)
+        weight = randn(512, 256, dtype=dtype)
+        lora.lora_linear_forward(randn(64, 256, dtype=dtype), weight, None, lora_a, lora_b, 2.0, dtype)
+        lora.lora_linear_backward(randn(64, 512, dtype=dtype), randn(64, 256, dtype=dtype), weight, lora_a, lora_b,
+                                  2.0)
+        hidden, lm_head = randn(64, 256, dtype=dtype), randn(1000, 256, dtype=dtype)
+        target = torch.randint(0, 1000, (64,), generator=g)
+        for softcap in (0.0, 30.0):
+            cross_entropy.linear_cross_entropy(hidden, lm_head, None, target, -100, "mean", softcap, 32, True, False)
+
+
+def main(backend, arch, warp_size):
+    target = GPUTarget(backend, int(arch) if backend == "cuda" else arch, int(warp_size))
+    KernelInterface.__getitem__ = record  # this process launches nothing
+    layout.platform = lambda t: backend
+    rmsnorm._multiprocessors = lambda device: 128
+    run_launch_functions()
+    compiled = {}
+    for kernel, args, kwargs in launches:
+        types, constexprs, options = signature(kernel, args, kwargs)
+        key = json.dumps([kernel.__name__, types, {k: repr(v) for k, v in constexprs.items()}, options])
+        if key in compiled:
+            continue
+        binary = triton.compile(ASTSource(kernel, types, constexprs), target=target, options=options)
+        assembly = binary.asm.get("amdgcn") or binary.asm.get("ptx") or ""
+        compiled[key] = {"kernel": kernel.__name__, "constexprs": {k: repr(v) for k, v in constexprs.items()},
+                         "options": options, "binary": "hsaco" if backend == "hip" else "cubin",
+                         "binary_bytes": len(binary.asm.get("hsaco") or binary.asm.get("cubin") or b""),
+                         "instructions": sorted(i for i in ("mfma", "wmma", "wgmma", "mma.sync") if i in assembly)}
+        print(json.dumps(compiled[key]), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
