@@ -1,16 +1,22 @@
-"""Command line: `python -m graphopt demo [--steps N ...]` (also installed as `graphopt`)."""
+"""Command line: `python -m graphopt demo [--steps N ...]` or `python -m graphopt doctor` (also installed as
+`graphopt`)."""
 
 import sys
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": "LoRA fine-tune of a tiny model through backend='graphopt', then the fusion report"}
+    commands = {"demo": "LoRA fine-tune of a tiny model through backend='graphopt', then the fusion report",
+                "doctor": "this machine's device, versions, and a self-test of every graphopt op on it"}
     if not argv or argv[0] not in commands:
         print("usage: python -m graphopt COMMAND [options]\n\ncommands:")
         for name, text in commands.items():
             print(f"  {name:<8} {text}")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    if argv[0] == "doctor":
+        from graphopt import doctor
+
+        doctor.main(argv[1:])
     from graphopt import demo
 
     demo.main(argv[1:])

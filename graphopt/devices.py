@@ -1,8 +1,65 @@
-"""Which target a graph runs on: detected from its tensors, or checked when the user names one."""
+"""Which target a graph runs on: detected from its tensors, or checked when the user names one; and what this
+machine has (detect(), for `graphopt doctor`)."""
+
+import importlib.util
+import os
+import platform
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from graphopt.options import OptionError
+
+
+@dataclass(frozen=True)
+class Device:
+    """The machine's best device for graphopt, and what graphopt needs to know of it."""
+
+    target: str  # cuda | hip | npu | mps | xpu | cpu
+    name: str
+    arch: str  # sm_90, gfx942, ... ("" where there is no such name)
+    memory_bytes: Optional[int]
+    bf16: bool
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda" if self.target in ("cuda", "hip") else self.target)
+
+    def describe(self) -> str:
+        memory = f", {self.memory_bytes / 2**30:.1f} GiB" if self.memory_bytes else ""
+        arch = f", {self.arch}" if self.arch else ""
+        return f"{self.name} (target {self.target}{arch}{memory}, bf16 {'yes' if self.bf16 else 'no'})"
+
+
+def _npu_available() -> bool:
+    # torch_npu without CANN breaks at import (DESIGN.md): look for it first, and treat any import failure as absent
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import torch_npu  # noqa: F401
+    except Exception:  # a broken CANN install surfaces as assorted errors
+        return False
+    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+
+
+def detect() -> Device:
+    """The first accelerator torch can use (CUDA or ROCm, Ascend NPU, Apple MPS, Intel XPU), else the CPU."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        if torch.version.hip:
+            arch = getattr(props, "gcnArchName", "").split(":")[0]
+            return Device("hip", props.name, arch, props.total_memory, torch.cuda.is_bf16_supported())
+        return Device("cuda", props.name, f"sm_{props.major}{props.minor}", props.total_memory,
+                      torch.cuda.is_bf16_supported())
+    if _npu_available():
+        return Device("npu", torch.npu.get_device_name(0), "", None, True)
+    if torch.backends.mps.is_available():
+        return Device("mps", "Apple GPU (MPS)", "", None, True)
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return Device("xpu", torch.xpu.get_device_name(0), "", None, True)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    return Device("cpu", f"CPU ({platform.machine()}, {os.cpu_count()} cores)", "", memory, True)
 
 
 def device_target(device: torch.device) -> str:
