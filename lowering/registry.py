@@ -36,9 +36,15 @@ def lowering_for(target: str) -> Lowering:
     if target == "cpu":
         return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
                         implementations=dict(cpu.IMPLEMENTATIONS), offload_copies=False)
-    reason = f"no lowering for target {target!r}" + ("" if cuda is not None else f" (Triton missing: {_CUDA_MISSING})")
+    if target == "mps":
+        reason = "Apple MPS: every op runs its pure-torch reference and the graph runs eagerly (no fused kernels yet)"
+    else:
+        reason = f"no lowering for target {target!r}" + ("" if cuda is not None else
+                                                         f" (Triton missing: {_CUDA_MISSING})")
+    # MPS memory is the host's (unified): offload=True is reported, not copied
     return Lowering(target, inductor=False, implementations={op: "pure-torch reference (kernels/reference.py)"
-                                                             for op in ops.ALL_OPS}, note=reason)
+                                                             for op in ops.ALL_OPS}, note=reason,
+                    offload_copies=target != "mps")
 
 
 def record(gm: torch.fx.GraphModule, lowering: Lowering, report) -> None:

@@ -159,3 +159,20 @@ def test_report_option_writes_every_format(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     assert len(data["fusions"]) == 10 + len(adapted_layers(model)) and data["misses"] == []
     assert data["saved_for_backward"]["tensors"] > 0 and data["saved_for_backward"]["bytes"] > 0
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_mps_target_runs_the_references_eagerly(offload, monkeypatch):
+    """On a Mac the graph runs eagerly with every op's pure-torch reference, and says so in the report; offload
+    is planned, not copied (MPS memory is the host's). Faked here on CPU tensors: the target is what differs."""
+    import graphopt.pipeline
+
+    monkeypatch.setattr(graphopt.pipeline, "resolve_target", lambda requested, inputs: "mps")
+    model = tiny_lora_model("llama")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    report = compile_and_compare(model, ids, torch.float32, options={"memory_budget": 0, "offload": offload})
+    assert report.target == "mps"
+    assert report.lowering and all("pure-torch reference" in r.implementation for r in report.lowering)
+    assert all("Apple MPS" in r.note for r in report.lowering if r.note and "backward graph" not in r.note)
+    if offload:
+        assert report.saved_for_backward["offload"]["copies_made"] is False
