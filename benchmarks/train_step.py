@@ -62,6 +62,9 @@ SHAPES = {
                intermediate_size=8192, vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=14336, vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # a model a CPU can train: the CPU lowering's benchmark (issue 5)
+    "small": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=1408, vocab_size=32000, rms_norm_eps=1e-5, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=128, rms_norm_eps=1e-5, tie_word_embeddings=True),
 }
