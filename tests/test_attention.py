@@ -33,9 +33,11 @@ def causal_float(q, k):  # older transformers: an additive mask of 0 and the dty
     return torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
 
 
-def hf_attention(mask_of):
+def hf_attention(mask_of, positional=False):
     def attention(q, k, v):
         n = q.shape[1] // k.shape[1]
+        if positional:
+            return SDPA(q, repeat_kv(k, n), repeat_kv(v, n), mask_of(q, k), 0.0, False)
         return SDPA(q, repeat_kv(k, n), repeat_kv(v, n), attn_mask=mask_of(q, k), is_causal=False)
     return attention
 
@@ -57,10 +59,11 @@ def exact_attention(q, k, v):  # fp64, causal, GQA by repeat: what every rewritt
     return scores.softmax(-1) @ v
 
 
+@pytest.mark.parametrize("positional", [False, True], ids=["keywords", "positional"])
 @pytest.mark.parametrize("mask_of", [causal_bool, causal_float], ids=["bool", "float"])
-def test_causal_mask_and_repeat_kv_become_is_causal_and_gqa(mask_of):
+def test_causal_mask_and_repeat_kv_become_is_causal_and_gqa(mask_of, positional):
     args = qkv(2, 8, 2, 16, 8, torch.float32)
-    gm, inputs, expected, report, rewritten = run_pass(rewrite_attention, hf_attention(mask_of), *args)
+    gm, inputs, expected, report, rewritten = run_pass(rewrite_attention, hf_attention(mask_of, positional), *args)
     assert rewritten == 2
     assert [r.pattern for r in report.fusions] == ["attention_causal", "attention_gqa"] and not report.misses
     (sdpa,) = sdpa_nodes(gm)
