@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphopt.lowering import cpu, ops
+from graphopt.lowering import ascend, cpu, ops
 from graphopt.report import LoweringRecord
 
 try:  # Triton is a Linux dependency; elsewhere the CUDA lowering is simply absent.
@@ -13,6 +13,10 @@ except ImportError as error:
     cuda, _CUDA_MISSING = None, str(error)
 else:
     cuda.register()
+
+
+_REFERENCES = {op: "pure-torch reference (kernels/reference.py)" for op in ops.ALL_OPS}
+_ASCEND_KERNELS = []  # the Library that registers lowering/ascend.py for the NPU, once a graph targets it
 
 
 @dataclass
@@ -36,14 +40,19 @@ def lowering_for(target: str) -> Lowering:
     if target == "cpu":
         return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
                         implementations=dict(cpu.IMPLEMENTATIONS), offload_copies=False)
+    if target == "npu":
+        if not _ASCEND_KERNELS:
+            _ASCEND_KERNELS.append(ascend.register())
+        return Lowering(target, inductor=False, implementations={**_REFERENCES, **ascend.IMPLEMENTATIONS},
+                        note="Ascend: torch_npu fused operators (lowering/ascend.py), the graph run eagerly; "
+                             "not yet run on Ascend hardware")
     if target == "mps":
         reason = "Apple MPS: every op runs its pure-torch reference and the graph runs eagerly (no fused kernels yet)"
     else:
         reason = f"no lowering for target {target!r}" + ("" if cuda is not None else
                                                          f" (Triton missing: {_CUDA_MISSING})")
     # MPS memory is the host's (unified): offload=True is reported, not copied
-    return Lowering(target, inductor=False, implementations={op: "pure-torch reference (kernels/reference.py)"
-                                                             for op in ops.ALL_OPS}, note=reason,
+    return Lowering(target, inductor=False, implementations=dict(_REFERENCES), note=reason,
                     offload_copies=target != "mps")
 
 
