@@ -123,9 +123,17 @@ def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling):
 # (the logits of a chunk are needed for both), scaled by 1/#valid for "mean", with no gradient (exact zeros) for
 # ignored rows; the backward then only multiplies them by the incoming gradient.
 
+def chunk_loss(z, target, keep, ignore_index):
+    """(Σ loss over the chunk's kept rows, log-probabilities) of logits z [rows, V] in the compute dtype."""
+    lse = torch.logsumexp(z, dim=-1)
+    safe_t = torch.where(keep, target, 0).unsqueeze(1)
+    return torch.where(keep, lse - z.gather(1, safe_t).squeeze(1), 0).sum(), z - lse.unsqueeze(1)
+
+
 def linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, softcap, chunk_rows,
-                         grad_hidden, grad_weight):
-    """(loss, d loss/d hidden or an empty tensor, d loss/d weight or an empty tensor); hidden [N, H], target [N]."""
+                         grad_hidden, grad_weight, chunk_loss=chunk_loss):
+    """(loss, d loss/d hidden or an empty tensor, d loss/d weight or an empty tensor); hidden [N, H], target [N].
+    chunk_loss computes each chunk's loss and log-probabilities (a target's fused operator may, lowering/)."""
     dtype = _compute_dtype(hidden)
     valid = target != ignore_index
     count = valid.sum()
@@ -141,12 +149,12 @@ def linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, 
         if softcap > 0:
             capped = torch.tanh(z / softcap)
             z = capped * softcap
-        lse = torch.logsumexp(z, dim=-1)
-        safe_t = torch.where(keep, t, 0).unsqueeze(1)
-        loss = loss + torch.where(keep, lse - z.gather(1, safe_t).squeeze(1), 0).sum()
+        chunk_sum, log_prob = chunk_loss(z, t, keep, ignore_index)
+        loss = loss + chunk_sum
         if not (grad_hidden or grad_weight):
             continue
-        dz = torch.exp(z - lse.unsqueeze(1))
+        dz = torch.exp(log_prob)
+        safe_t = torch.where(keep, t, 0).unsqueeze(1)
         dz.scatter_add_(1, safe_t, torch.full_like(safe_t, -1, dtype=dtype))
         dz *= (keep.to(dtype) * scale).unsqueeze(1)
         if softcap > 0:

@@ -101,44 +101,19 @@ def _gated_activation_backward(grad_out, gate, up, activation):
     return grad_gate.contiguous(), grad_up.contiguous()
 
 
+def _npu_chunk_loss(z, target, keep, ignore_index):
+    chunk_sum, log_prob, _, _ = torch.ops.npu.npu_cross_entropy_loss(z, target, None, "sum", ignore_index)
+    return chunk_sum, log_prob
+
+
 def _linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, softcap, chunk_rows, grad_hidden,
                           grad_weight):
-    """kernels/reference.py's semantics, each chunk's loss and log-probabilities from npu_cross_entropy_loss."""
+    """kernels/reference.py's chunk loop, each chunk's loss and log-probabilities from npu_cross_entropy_loss."""
     ops.check_linear_cross_entropy(hidden, weight, bias, target, reduction, chunk_rows)
-    if hidden.dtype == torch.float64:  # no fp64 on the NPU; the op's contract computes fp64 in fp64
-        return reference.linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, softcap,
-                                              chunk_rows, grad_hidden, grad_weight)
-    dtype = torch.float32
-    valid = target != ignore_index
-    count = valid.sum()
-    scale = 1 / count.clamp_min(1).to(dtype) if reduction == "mean" else torch.ones((), dtype=dtype)
-    loss = torch.zeros((), dtype=dtype, device=hidden.device)
-    d_hidden = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
-    d_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if grad_weight else weight.new_empty(0)
-    for start in range(0, hidden.shape[0], chunk_rows):
-        rows = slice(start, start + chunk_rows)
-        h, t, keep = hidden[rows], target[rows], valid[rows]
-        z = torch.nn.functional.linear(h, weight, bias).to(dtype)
-        if softcap > 0:
-            capped = torch.tanh(z / softcap)
-            z = capped * softcap
-        chunk_loss, log_prob, _, _ = torch.ops.npu.npu_cross_entropy_loss(z, t, None, "sum", ignore_index)
-        loss = loss + chunk_loss
-        if not (grad_hidden or grad_weight):
-            continue
-        dz = torch.exp(log_prob)
-        safe_t = torch.where(keep, t, 0).unsqueeze(1)
-        dz.scatter_add_(1, safe_t, torch.full_like(safe_t, -1, dtype=dtype))
-        dz *= (keep.to(dtype) * scale).unsqueeze(1)
-        if softcap > 0:
-            dz *= 1 - capped * capped
-        dz = dz.to(hidden.dtype)
-        if grad_hidden:
-            d_hidden[rows] = dz @ weight
-        if grad_weight:
-            d_weight += (dz.t() @ h).to(dtype)
-    loss = loss / count if reduction == "mean" else loss
-    return loss, d_hidden, d_weight.to(weight.dtype) if grad_weight else d_weight
+    fused = hidden.dtype != torch.float64  # no fp64 on the NPU; the op's contract computes fp64 in fp64
+    return reference.linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, softcap, chunk_rows,
+                                          grad_hidden, grad_weight,
+                                          chunk_loss=_npu_chunk_loss if fused else reference.chunk_loss)
 
 
 KERNELS = {
