@@ -233,6 +233,38 @@ def profile_steps(forward, optimizer, input_ids, device, path, steps=2):
     print("  top kernels:", file=sys.stderr)
     for e in sorted(kernels, key=time_of, reverse=True)[:40]:
         print(f"    {time_of(e) / 1000 / steps:8.2f} ms/step ×{e.count // steps:<5} {e.key[:100]}", file=sys.stderr)
+    if device.type == "cuda":
+        print_stream_timeline(path, steps)
+
+
+def print_stream_timeline(trace_path, steps):
+    """Per CUDA stream: how much of the profiled wall time it was busy, and its idle gaps. Tells a step waiting
+    for the CPU to launch (the compute stream idle in many short gaps) from one waiting for copies (the compute
+    stream idle while the copy stream is busy) from one bound by its kernels (the compute stream busy)."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"]
+                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not events:
+        return
+    wall = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    print(f"  streams over {wall / 1000 / steps:.1f} ms/step of wall time:", file=sys.stderr)
+    by_stream = {}
+    for e in events:
+        by_stream.setdefault(e["args"].get("stream"), []).append((e["ts"], e["ts"] + e["dur"], e["cat"]))
+    for stream, spans in sorted(by_stream.items(), key=lambda kv: -len(kv[1])):
+        spans.sort()
+        busy, gaps, end = 0.0, [], spans[0][0]
+        for start, stop, _ in spans:
+            if start > end:
+                gaps.append(start - end)
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        copies = sum(stop - start for start, stop, cat in spans if cat != "kernel")
+        long_gaps = [g for g in gaps if g >= 100]
+        print(f"    stream {stream}: {len(spans) // steps} ops/step, busy {busy / 1000 / steps:.1f} ms/step "
+              f"(copies {copies / 1000 / steps:.1f}), idle {sum(gaps) / 1000 / steps:.1f} ms/step in "
+              f"{len(gaps) // steps} gaps, {len(long_gaps) // steps} of them ≥100 µs "
+              f"({sum(long_gaps) / 1000 / steps:.1f} ms/step)", file=sys.stderr)
 
 
 def run(args):

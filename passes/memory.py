@@ -3,8 +3,8 @@
 A walk over each graph in execution order: every node's outputs are allocated when it runs and freed after the
 last reader of them or of any view of them; the graph's inputs (weights, ids) stay for the whole step, and the
 forward's saved outputs stay until the backward's last reader of each. Offloaded tensors leave the device after
-their last forward reader and come back at their first backward reader. The estimate is of what the compiled
-graphs hold: the optimizer's state and anything else outside them is not in it.
+their last forward reader (the copy out starts as each is written) and come back at their first backward reader.
+The estimate is of what the compiled graphs hold: the optimizer's state and anything else outside them is not in it.
 
 Inductor fuses pointwise nodes into their readers, so a pointwise node whose readers are all pointwise or
 reductions allocates nothing here; what else Inductor fuses or reorders the walk does not know
@@ -42,7 +42,8 @@ def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
     resident = sum((bytes_written(p) for p in inputs), 0)
     saved = [n for n in forward.graph.find_nodes(op="output")[0].args[0] if isinstance(n, torch.fx.Node)]
     kept = {n for n in saved if n.op != "placeholder" and n.name not in offloaded}
-    forward_peak, forward_live = walk_peak(forward, resident=resident, keep=kept)
+    leaving = {n for n in saved if n.name in offloaded}
+    forward_peak, forward_live = walk_peak(forward, resident=resident, keep=kept, leaving=leaving)
     on_device = [p for p in backward.graph.find_nodes(op="placeholder")
                  if not p.name.startswith("primals") and p.name not in offloaded]
     backward_peak, backward_live = walk_peak(
@@ -67,10 +68,11 @@ def _made_by(node):
     return "gradient of an output" if node.name.startswith("tangents") else "saved by the forward"
 
 
-def walk_peak(gm, resident, keep=(), start=(), arriving=()):
+def walk_peak(gm, resident, keep=(), start=(), arriving=(), leaving=()):
     """(peak bytes over the graph's execution: resident + live buffers, the buffers live then). keep: never
     freed (saved for backward); start: live at the start, freed after their last reader; arriving: allocated
-    at their first reader."""
+    at their first reader; leaving: outputs that go to the host, freed after their last reader in the graph
+    (the output node's read is the copy out, made as soon as they are written)."""
     nodes = list(gm.graph.nodes)
     root = {}  # node → the node whose buffer it reads through (views, getitems)
     for node in nodes:
@@ -79,7 +81,8 @@ def walk_peak(gm, resident, keep=(), start=(), arriving=()):
     last_use = {}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
-            last_use[root[arg]] = i
+            if not (node.op == "output" and arg in leaving):
+                last_use[root[arg]] = i
     keep = {root[node] for node in keep}
     fused = {node for node in nodes if _fused_away(node, keep)}
     for node in reversed(nodes):  # a fused node's inputs are read where its readers run

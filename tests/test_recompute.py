@@ -77,6 +77,17 @@ def test_report_at_a_budget_counts_what_autograd_holds():
     assert "saved for backward (memory_budget 0.3): " in graphopt.last_report().to_text()
 
 
+@pytest.mark.parametrize("budget", [1, 0])
+def test_offloaded_activations_leave_the_forward_estimate_after_their_last_reader(budget):
+    """Kept on the device, a saved activation is live from where it is written to the end of the forward; an
+    offloaded one only until its last reader there (its copy out starts as it is written). The forward's estimated
+    peak must fall with offload, by no more than what is offloaded."""
+    _, kept, _ = compiled_step_saves({"memory_budget": budget})
+    _, moved, _ = compiled_step_saves({"memory_budget": budget, "offload": True})
+    drop = kept["estimate"]["forward_peak_bytes"] - moved["estimate"]["forward_peak_bytes"]
+    assert 0 < drop <= moved["offload"]["bytes"]
+
+
 def flops(fn, *args):
     with FlopCounterMode(display=False) as counter:
         fn(*args)
