@@ -40,6 +40,7 @@ import gc
 import json
 import math
 import platform
+import re
 import tempfile
 import time
 
@@ -267,6 +268,58 @@ def print_stream_timeline(trace_path, steps):
               f"({sum(long_gaps) / 1000 / steps:.1f} ms/step)", file=sys.stderr)
 
 
+def print_memory_at_peak(forward, optimizer, input_ids, device, top=30):
+    """One more step under the CUDA allocator's history: replay its allocations and frees, and print what was
+    allocated at the step's peak, largest first, each with the source line that allocated it (for Inductor's
+    generated code, the line of its wrapper, which names the buffer)."""
+    import linecache
+
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    start = torch.cuda.memory_allocated(device)
+    train_step(forward, optimizer, input_ids)
+    synchronize(device)
+    events = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, peak, at_peak, last_framed = {}, start, start, {}, None
+    for event in events:
+        if event["frames"]:
+            last_framed = event
+        if event["action"] == "alloc":
+            # allocated outside Python (the autograd engine's C++): placed by the last event that had frames
+            live[event["addr"]] = event if event["frames"] else {**event, "after": last_framed}
+            total += event["size"]
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+            total -= event["size"]
+        else:
+            continue
+        if total > peak:
+            peak, at_peak = total, dict(live)
+
+    def origin(event):
+        for frame in event["frames"]:
+            name = frame["filename"]
+            if any(part in name for part in ("graphopt", "torchinductor", "/transformers/", "/peft/", "/kernels/",
+                                             "/lowering/", "/torch/optim/")):
+                text = linecache.getline(name, frame["line"]).strip()
+                return f"{'/'.join(name.split('/')[-2:])}:{frame['line']} {frame['name']}: {text[:90]}"
+        frames = event["frames"]
+        if not frames:  # grouped by the call before them: one line for all layers
+            before = origin(event["after"]) if event.get("after") else "?"
+            call = re.search(r"= ([\w.]+)\(", before)
+            return "no Python frames, after a call of " + (call.group(1) if call else before)
+        return f"{frames[0]['filename'].split('/')[-1]}:{frames[0]['line']} {frames[0]['name']}"
+
+    groups = {}
+    for event in at_peak.values():
+        key = (event["size"], origin(event))
+        groups[key] = groups.get(key, 0) + 1
+    print(f"\nallocated at the step's peak: {peak / 2**20:,.1f} MiB ({start / 2**20:,.1f} MiB before the step, "
+          f"{sum(e['size'] for e in at_peak.values()) / 2**20:,.1f} MiB allocated in it and live then)", file=sys.stderr)
+    for (size, where), count in sorted(groups.items(), key=lambda kv: -kv[0][0] * kv[1])[:top]:
+        print(f"  {count:>3} × {size / 2**20:9.1f} MiB  {where}", file=sys.stderr)
+
+
 def run(args):
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
@@ -312,6 +365,8 @@ def run(args):
                   file=sys.stderr)
     if args.profile:
         profile_steps(forward, optimizer, input_ids, device, args.profile)
+    if args.memory_at_peak and device.type == "cuda":
+        print_memory_at_peak(forward, optimizer, input_ids, device)
 
     result = {
         "variant": args.variant,
@@ -410,6 +465,8 @@ def parse_args(argv):
     parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"keep_logits\": true}'")
     parser.add_argument("--profile", metavar="PATH", help="then profile 2 more steps: print where the device "
                         "time goes, write a chrome trace to PATH")
+    parser.add_argument("--memory-at-peak", action="store_true", help="then run one more step under the CUDA "
+                        "allocator's history and print what is allocated at its peak, and where")
     parser.add_argument("--table", metavar="PATH", help="print the markdown table of a results file and exit")
     args = parser.parse_args(argv)
     if args.table is None and args.variant is None:

@@ -12,7 +12,6 @@
   8. hand back  outputs not computed become LogitsNotMaterialized      graphopt/logits.py
 """
 
-import torch._inductor.config
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.compile_fx import compile_fx
@@ -65,12 +64,12 @@ def _autograd_partition_lower(gm, example_inputs, lowering, report, options):
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.
         decompositions = {**select_decomp_table(), **lowering.decompositions}
-        # cuda_graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition)
+        # cuda_graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition).
+        # As config_patches, not a config.patch block: they must also reach the backward, compiled at its first run.
         settings = dict(custom_partitioner_fn=partitioner)
         if options.cuda_graphs:
             settings.update({"triton.cudagraphs": True, "graph_partition": True})
-        with torch._inductor.config.patch(settings):
-            return compile_fx(gm, example_inputs, decompositions=decompositions)
+        return compile_fx(gm, example_inputs, config_patches=settings, decompositions=decompositions)
 
     return aot_autograd(
         fw_compiler=boxed_nop,

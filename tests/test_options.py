@@ -217,23 +217,32 @@ def test_offload_that_is_not_a_bool_is_an_error(offload):
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_cuda_graphs_reach_inductor(on, fresh_dynamo, monkeypatch):
-    """cuda_graphs=True compiles with Inductor's CUDA graph trees on (and graph partitions around the offload
-    copies); off, Inductor's own setting is left as it is."""
-    import graphopt.pipeline
+def test_cuda_graphs_reach_inductor(on, fresh_dynamo):
+    """cuda_graphs=True compiles with Inductor's CUDA graph trees on, and graph partitions around the offload
+    copies, for the forward and for the backward, which aot_autograd compiles at its first run, after the
+    backend returned (with only the forward's settings, the backward's host tensors made Inductor skip its CUDA
+    graphs); off, Inductor's own setting is left as it is."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     seen = []
-    compile_fx = graphopt.pipeline.compile_fx
 
-    def spy(*args, **kwargs):
-        seen.append(torch._inductor.config.triton.cudagraphs)
-        return compile_fx(*args, **kwargs)
+    class Spy(CustomGraphPass):  # Inductor runs it in each graph's compile, under that compile's settings
+        def __call__(self, graph):
+            seen.append((torch._inductor.config.triton.cudagraphs, torch._inductor.config.graph_partition))
 
-    monkeypatch.setattr(graphopt.pipeline, "compile_fx", spy)
+        def uuid(self):
+            return None
+
     assert parse_options({"cuda_graphs": on}, NAMES).cuda_graphs is on
-    compiled = torch.compile(torch.nn.Linear(4, 4), backend="graphopt", options={"cuda_graphs": on})
-    compiled(torch.randn(2, 4)).sum().backward()
-    assert seen == [on] and torch._inductor.config.triton.cudagraphs is False
+    with torch._inductor.config.patch(post_grad_custom_post_pass=Spy()):
+        compiled = torch.compile(torch.nn.Linear(4, 4), backend="graphopt", options={"cuda_graphs": on})
+        loss = compiled(torch.randn(2, 4)).sum()
+        assert len(seen) == 1  # the forward
+        loss.backward()
+    assert len(seen) == 2 and all(cudagraphs is on for cudagraphs, _ in seen)
+    if on:
+        assert all(partition for _, partition in seen)
+    assert torch._inductor.config.triton.cudagraphs is False
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])
