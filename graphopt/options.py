@@ -23,6 +23,7 @@ class Options:
     fusions: frozenset = frozenset()  # names of the enabled fusions
     report: Optional[Path] = None
     keep_logits: bool = False  # materialize the logits even when the loss is fused (training with labels)
+    cache_grad: bool = False  # the returned KV cache stays differentiable (passes/detach_cache.py)
     # 1: save what the fastest plan saves; 0: save each decoder layer's input only, recompute the rest layer by
     # layer; "auto": the fastest plan whose estimated peak fits max_memory_gib (passes/recompute.py)
     memory_budget: object = DEFAULT_MEMORY_BUDGET
@@ -36,15 +37,15 @@ class Options:
 def _describe_valid(fusion_names) -> str:
     return (f"valid options: target={'|'.join(TARGETS)}; "
             f"fusions={{name: bool}} or a list of names to enable, names: {', '.join(fusion_names)}; "
-            f"report=path ending in {', '.join(REPORT_SUFFIXES)}; keep_logits=True|False; "
+            f"report=path ending in {', '.join(REPORT_SUFFIXES)}; keep_logits=True|False; cache_grad=True|False; "
             f"memory_budget=a number from 0 to 1, or \"auto\" with max_memory_gib=N; offload=True|False; "
             f"cuda_graphs=True|False")
 
 
 def parse_options(raw: dict, fusion_names) -> Options:
     fusion_names = tuple(fusion_names)
-    unknown = sorted(set(raw) - {"target", "fusions", "report", "keep_logits", "memory_budget", "offload",
-                                "max_memory_gib", "cuda_graphs"})
+    unknown = sorted(set(raw) - {"target", "fusions", "report", "keep_logits", "cache_grad", "memory_budget",
+                                "offload", "max_memory_gib", "cuda_graphs"})
     if unknown:
         raise OptionError(f"unknown graphopt option(s) {unknown}; {_describe_valid(fusion_names)}")
 
@@ -73,9 +74,11 @@ def parse_options(raw: dict, fusion_names) -> Options:
         report = Path(report)
         if report.suffix not in REPORT_SUFFIXES:
             raise OptionError(f"report={str(report)!r}: the path must end in {', '.join(REPORT_SUFFIXES)}")
-    keep_logits = raw.get("keep_logits", False)
+    keep_logits, cache_grad = raw.get("keep_logits", False), raw.get("cache_grad", False)
     if not isinstance(keep_logits, bool):
         raise OptionError(f"keep_logits must be True or False, got {keep_logits!r}")
+    if not isinstance(cache_grad, bool):
+        raise OptionError(f"cache_grad must be True or False, got {cache_grad!r}")
     memory_budget, max_memory_gib = _memory_budget(raw.get("memory_budget", DEFAULT_MEMORY_BUDGET), raw.get("max_memory_gib"))
     offload = raw.get("offload", False)
     if not isinstance(offload, bool):
@@ -84,7 +87,7 @@ def parse_options(raw: dict, fusion_names) -> Options:
     if not isinstance(cuda_graphs, bool):
         raise OptionError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
     return Options(target=target, fusions=frozenset(enabled), report=report, keep_logits=keep_logits,
-                   memory_budget=memory_budget, offload=offload, max_memory_gib=max_memory_gib,
+                   cache_grad=cache_grad, memory_budget=memory_budget, offload=offload, max_memory_gib=max_memory_gib,
                    cuda_graphs=cuda_graphs)
 
 

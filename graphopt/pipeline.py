@@ -3,7 +3,8 @@
   1. capture    Dynamo hands over an FX graph of torch-level calls (before autograd)
   2. normalize  one spelling per op                                   passes/normalize.py
   3. fuse       subgraphs → graphopt:: ops, or a miss with a reason   passes/fuse_*.py, in passes/registry.py order
-                then the logits policy: a fused loss's logits are not computed unless keep_logits   passes/drop_logits.py
+                then the logits policy: a fused loss's logits are not computed unless keep_logits  passes/drop_logits.py
+                and the cache policy: the returned KV cache is detached unless cache_grad         passes/detach_cache.py
   4. autograd   aot_autograd traces forward + backward; each graphopt op brings its own backward op
   5. partition  what the backward saves, recomputes or offloads, under memory_budget  passes/recompute.py
                 and its peak memory estimate; the report records it      passes/offload.py, passes/memory.py
@@ -21,6 +22,7 @@ from graphopt.devices import resolve_target
 from graphopt.logits import hand_back
 from graphopt.lowering import registry as lowering_registry
 from graphopt.options import Options
+from graphopt.passes.detach_cache import detach_cache
 from graphopt.passes.drop_logits import drop_logits
 from graphopt.passes.normalize import normalize
 from graphopt.passes.recompute import Partitioner
@@ -41,6 +43,8 @@ def compile_graph(gm, example_inputs, options: Options):
         if name in options.fusions:
             fuse(gm, report)
     dropped = [] if options.keep_logits else drop_logits(gm, report)
+    if not options.cache_grad:
+        detach_cache(gm, report)
 
     # 4–6. autograd → partition → lower. The target's lowering says how each graphopt op will run.
     lowering = lowering_registry.lowering_for(report.target)

@@ -1,0 +1,66 @@
+"""The cache policy (passes/detach_cache.py): in training, the KV cache a model returns is detached (no gradient
+input for it in the backward), with the same values as eager; cache_grad=True keeps it differentiable."""
+
+import pytest
+import torch
+
+import graphopt
+from graphs import relative_error
+from models import tiny_lora_model
+from graphopt.options import OptionError, parse_options
+from graphopt.passes.registry import FUSIONS
+
+
+def cache_tensors(outputs):
+    return [t for layer in outputs.past_key_values.layers for t in (layer.keys, layer.values)]
+
+
+def step(model, ids, compile_options=None):
+    """(loss, LoRA gradients, the returned cache tensors) of one forward + backward, compiled when options given."""
+    torch._dynamo.reset()
+    forward = model if compile_options is None else torch.compile(model, backend="graphopt", options=compile_options)
+    model.zero_grad(set_to_none=True)
+    outputs = forward(input_ids=ids, labels=ids, use_cache=True)
+    outputs.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return outputs.loss.detach(), grads, cache_tensors(outputs)
+
+
+@pytest.fixture
+def materialized_masks(monkeypatch):
+    """transformers as 5.17 runs under torch.compile: k and v reach attention through repeat_kv's expand and
+    reshape."""
+    import transformers.masking_utils
+
+    monkeypatch.setattr(transformers.masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+
+
+@pytest.mark.parametrize("attention_pass", [True, False], ids=["gqa_rewritten", "repeat_kv_left"])
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_training_returns_the_cache_detached_with_eager_values(arch, attention_pass, materialized_masks):
+    model = tiny_lora_model(arch)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    eager_loss, eager_grads, eager_cache = step(model, ids)
+    assert all(t.requires_grad for t in eager_cache)  # what costs the zero gradients without the pass
+
+    loss, grads, cache = step(model, ids, {"fusions": {"attention": attention_pass}})
+    assert relative_error(loss, eager_loss) <= 1e-5
+    assert all(relative_error(grads[n], eager_grads[n]) <= 1e-5 for n in eager_grads)
+    assert len(cache) == len(eager_cache) == 2 * model.config.num_hidden_layers
+    assert not any(t.requires_grad for t in cache)
+    assert all(relative_error(t, e) <= 1e-5 for t, e in zip(cache, eager_cache))
+    assert f"KV cache: {len(cache)} key/value outputs returned detached" in graphopt.last_report().to_text()
+
+
+def test_cache_grad_keeps_the_cache_differentiable():
+    model = tiny_lora_model("llama")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    _, _, cache = step(model, ids, {"cache_grad": True})
+    assert cache and all(t.requires_grad for t in cache)
+    assert "KV cache" not in graphopt.last_report().to_text()
+
+
+@pytest.mark.parametrize("value", [1, "no", None])
+def test_cache_grad_must_be_a_bool(value):
+    with pytest.raises(OptionError, match="cache_grad must be True or False"):
+        parse_options({"cache_grad": value}, tuple(FUSIONS))
