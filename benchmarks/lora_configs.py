@@ -18,6 +18,8 @@ from graphopt.kernels import lora
 
 TOKENS, RANK = 8192, 16
 WIDTHS = (512, 2048, 8192)  # k/v, hidden, intermediate
+# Per layer: (in, out) widths of the adapted linears and how many have them: q and o, k and v, gate and up, down
+LINEARS = [((2048, 2048), 2), ((2048, 512), 2), ((2048, 8192), 2), ((8192, 2048), 1)]
 
 GRIDS = {
     "project": [dict(BLOCK_M=m, BLOCK_K=k, num_warps=w, num_stages=s)
@@ -26,6 +28,7 @@ GRIDS = {
                     for m, n, p, w in itertools.product((32, 64), (64, 128), (264, 528, 1056), (4, 8))],
     "add_low_rank": [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=3)
                      for m, n, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))],
+    "sum_splits": [dict(BLOCK=b, num_warps=w) for b, w in itertools.product((256, 512, 1024, 2048), (2, 4, 8))],
 }
 
 
@@ -36,26 +39,26 @@ def cases():
     b = {w: torch.randn(w, RANK, device="cuda") * 0.02 for w in WIDTHS}  # lora_B [out, r]
     low = torch.randn(TOKENS, RANK, device="cuda")
 
-    def project_x(w):  # x·Aᵀ
+    def project_x(w):  # the forward's x·Aᵀ
         return lambda: lora._project(rows[w], a[w], a[w].stride(0), a[w].stride(1), RANK, 1.0)
 
-    def project_grad(w):  # dY·B
-        return lambda: lora._project(rows[w], b[w], b[w].stride(1), b[w].stride(0), RANK, 1.0)
+    def project_pair(n_in, n_out):  # the backward's x·Aᵀ and dY·B
+        return lambda: lora._project_pair(rows[n_in], rows[n_out], a[n_in], b[n_out], 1.0)
 
-    def reduce_rows(w):
-        return lambda: lora._reduce_rows(low, rows[w])
+    def reduce_rows_pair(n_in, n_out):  # dA and dB: the partial sums over row splits, then their sum
+        return lambda: lora._reduce_rows_pair(rows[n_in], rows[n_out], low, low)
 
     def add_low_rank(w):
         return lambda: lora._add_low_rank(rows[w], low, b[w], b[w].stride(0), b[w].stride(1), 1.0,
                                           torch.bfloat16, False)
 
-    # Per layer: inputs of width 2048 to q, k, v, o, gate, up and 8192 to down (each read in the forward and
-    # again in the backward); outputs 2048 (q, o, down), 512 (k, v), 8192 (gate, up).
+    # add_low_rank per layer: the forward's outputs 2048 (q, o, down), 512 (k, v), 8192 (gate, up) and the
+    # backward's dX, 2048 wide for q, k, v, o, gate, up and 8192 for down
     return {
-        "project": [(project_x(2048), 12), (project_x(8192), 2), (project_grad(2048), 3), (project_grad(512), 2),
-                    (project_grad(8192), 2)],
-        "reduce_rows": [(reduce_rows(2048), 9), (reduce_rows(512), 2), (reduce_rows(8192), 3)],
+        "project": [(project_x(2048), 6), (project_x(8192), 1)] + [(project_pair(*w), n) for w, n in LINEARS],
+        "reduce_rows": [(reduce_rows_pair(*w), n) for w, n in LINEARS],
         "add_low_rank": [(add_low_rank(2048), 9), (add_low_rank(512), 2), (add_low_rank(8192), 3)],
+        "sum_splits": [(reduce_rows_pair(*w), n) for w, n in LINEARS],  # timed with the reduce it follows
     }
 
 

@@ -204,7 +204,7 @@ KERNEL_KINDS = (
     ("matmul (cuBLAS/CUTLASS)", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
     ("attention", ("flash", "fmha", "attention", "efficient_attention")),
     ("graphopt Triton kernels", ("_rms_norm", "_rope", "_gated", "_cross_entropy", "_project", "_reduce_rows",
-                                 "_add_low_rank")),
+                                 "_sum_splits", "_add_low_rank")),
     ("Inductor-generated Triton", ("triton_",)),
     ("copies and fills", ("memcpy", "memset", "copy_", "fill_")),
 )

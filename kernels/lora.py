@@ -2,12 +2,15 @@
 
 The frozen base matmuls (x·Wᵀ forward, dY·W backward) stay cuBLAS. Everything PEFT does around them in the
 adapter dtype — the upcast of x, x·Aᵀ, ·Bᵀ, the scaling, the add, the cast back, and the same in the backward —
-runs in three Triton kernels that read each large tensor once and keep fp32 values in registers, never in
-memory: no fp32 copy of x or of the output exists, saved or transient; the output is written over the base
-matmul's. The rank-r products keep fp32's accuracy on tensor cores: with a bf16 x, bf16 dots on the fp32 operand
-split in two bf16 parts (below, _split); otherwise "tf32x3", three TF32 products (PEFT's fp32 matmuls run without
-TF32). Plain fp32 "ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (2.4x
-slower in the 1B step on the H200, benchmarks/RESULTS.md).
+runs in Triton kernels that read each large tensor once and keep fp32 values in registers, never in memory: no
+fp32 copy of x or of the output exists, saved or transient; the output is written over the base matmul's. The
+forward is two launches (x·Aᵀ; ·Bᵀ, scale, add and cast), the backward four, as the H200's step is partly bound by
+how fast the CPU launches kernels: x·Aᵀ and dY·B in one, dA's and dB's partial sums over splits of the rows in one,
+their sum in one, and dX's low-rank term added over the base dY·W in one. The rank-r products keep fp32's
+accuracy on tensor cores: with a bf16 x, bf16 dots on the fp32 operand split in two bf16 parts (below, _split);
+otherwise "tf32x3", three TF32 products (PEFT's fp32 matmuls run without TF32). Plain fp32 "ieee" dots run on the
+CUDA cores, which made these memory-bound kernels compute-bound (2.4x slower in the 1B step on the H200,
+benchmarks/RESULTS.md).
 """
 
 import torch
@@ -50,10 +53,10 @@ def _dot_bf16x3(a, b):
 
 
 @triton.jit
-def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_wk, scale,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                    SPLIT_BF16: tl.constexpr):
-    # Y[m, r] = scale · Σ_k X[m, k] · W[r, k]; Y is [n_rows, rank] fp32, contiguous
+def _project_row_block(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_wk, scale,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                       SPLIT_BF16: tl.constexpr):
+    # Y[m, r] = scale · Σ_k X[m, k] · W[r, k] for the rows of block program_id(0); Y is [n_rows, rank] fp32, contiguous
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ranks = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -72,28 +75,85 @@ def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_w
 
 
 @triton.jit
-def _reduce_rows_kernel(G, X, P, n_rows, n_cols, rank, rows_per_split, stride_x,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):
-    # P[split, r, n] = Σ_{m in split} G[m, r] · X[m, n]; G is [n_rows, rank] fp32 contiguous
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1).to(tl.int64)
+def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_wk, scale,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                    SPLIT_BF16: tl.constexpr):
+    _project_row_block(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_wk, scale,
+                       BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16)
+
+
+@triton.jit
+def _project_pair_kernel(X, A, XA, G, B, GRAD_XA, n_rows, n_in, n_out, rank, stride_x, stride_g,
+                         stride_a0, stride_a1, stride_b0, stride_b1, scale,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                         PRECISION: tl.constexpr, SPLIT_BF16_X: tl.constexpr, SPLIT_BF16_G: tl.constexpr):
+    # The backward's two projections in one launch, program_id(1) picks which: XA = scale · X·Aᵀ from
+    # X [n_rows, n_in], GRAD_XA = scale · G·B from G [n_rows, n_out]; B is [n_out, rank], read as its transpose.
+    # The branch is uniform over a program, and each side compiles to what _project_kernel runs alone.
+    if tl.program_id(1) == 0:
+        _project_row_block(X, A, XA, n_rows, n_in, rank, stride_x, stride_a0, stride_a1, scale,
+                           BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16_X)
+    else:
+        _project_row_block(G, B, GRAD_XA, n_rows, n_out, rank, stride_g, stride_b1, stride_b0, scale,
+                           BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16_G)
+
+
+@triton.jit
+def _reduce_split(LOW, X, first, end, n_cols, rank, stride_x, cols,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                  SPLIT_BF16: tl.constexpr):
+    # [BLOCK_R, BLOCK_N] fp32 = Σ_{first ≤ m < end} LOW[m, r] · X[m, cols]; LOW is [rows, rank] fp32 contiguous
     ranks = tl.arange(0, BLOCK_R)
-    first = split * rows_per_split
-    end = tl.minimum(first + rows_per_split, n_rows)
     acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     for start in range(first, end, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
-        g = tl.load(G + rows[None, :] * rank + ranks[:, None],
-                    mask=(rows < end)[None, :] & (ranks < rank)[:, None], other=0.0)
+        low = tl.load(LOW + rows[None, :] * rank + ranks[:, None],
+                      mask=(rows < end)[None, :] & (ranks < rank)[:, None], other=0.0)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :],
                     mask=(rows < end)[:, None] & (cols < n_cols)[None, :], other=0.0)
         if SPLIT_BF16:
-            acc += _split_dot_exact(g, x)
+            acc += _split_dot_exact(low, x)
         else:
-            acc += tl.dot(g, x.to(tl.float32), input_precision=PRECISION)
-    tl.store(P + split * rank * n_cols + ranks[:, None] * n_cols + cols[None, :], acc,
-             mask=(ranks < rank)[:, None] & (cols < n_cols)[None, :])
+            acc += tl.dot(low, x.to(tl.float32), input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _reduce_rows_pair_kernel(G, XA, GRAD_XA, X, P, n_rows, n_out, n_in, rank, rows_per_split, stride_g, stride_x,
+                             out_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                             PRECISION: tl.constexpr, SPLIT_BF16_X: tl.constexpr, SPLIT_BF16_G: tl.constexpr):
+    # Both weight gradients' sums over one split of the rows, into P[split] = (dB [n_out, rank], dA [rank, n_in])
+    # flattened: column blocks below out_blocks compute dB = Gᵀ·XA (stored transposed), the others dA = GRAD_XAᵀ·X
+    block = tl.program_id(0)
+    split = tl.program_id(1).to(tl.int64)
+    first = split * rows_per_split
+    end = tl.minimum(first + rows_per_split, n_rows)
+    ranks = tl.arange(0, BLOCK_R)
+    partial = P + split * (n_out + n_in) * rank
+    if block < out_blocks:
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _reduce_split(XA, G, first, end, n_out, rank, stride_g, cols,
+                            BLOCK_M, BLOCK_N, BLOCK_R, PRECISION, SPLIT_BF16_G)
+        tl.store(partial + cols[None, :] * rank + ranks[:, None], acc,
+                 mask=(ranks < rank)[:, None] & (cols < n_out)[None, :])
+    else:
+        cols = (block - out_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _reduce_split(GRAD_XA, X, first, end, n_in, rank, stride_x, cols,
+                            BLOCK_M, BLOCK_N, BLOCK_R, PRECISION, SPLIT_BF16_X)
+        tl.store(partial + n_out * rank + ranks[:, None] * n_in + cols[None, :], acc,
+                 mask=(ranks < rank)[:, None] & (cols < n_in)[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(P, GRAD_B, GRAD_A, splits, grad_b_size, size, BLOCK: tl.constexpr):
+    # GRAD_B, GRAD_A = Σ_split P[split], P[split] being dB's elements then dA's (_reduce_rows_pair_kernel)
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(0, splits):
+        acc += tl.load(P + offsets, mask=offsets < size, other=0.0)
+        P += size  # the next split's partial sums
+    tl.store(GRAD_B + offsets, acc, mask=offsets < grad_b_size)
+    tl.store(GRAD_A + (offsets - grad_b_size), acc, mask=(offsets >= grad_b_size) & (offsets < size))
 
 
 @triton.jit
@@ -125,24 +185,28 @@ def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, st
 PRECISION = {"cuda": "tf32x3", "hip": "bf16x6", "cpu": "ieee"}
 
 # Launch configurations per platform (kernels/layout.py). CUDA: the best of benchmarks/lora_configs.py at the
-# Llama-3.2-1B shapes on the H200 (benchmarks/RESULTS.md). HIP: CUDA's blocks with 2 stages, the AMD software
-# pipeliner's usual depth; compiled for gfx942, gfx90a and gfx1100 in CI (tests/test_aot.py), not yet measured on
-# AMD hardware. CPU (the interpreter): large blocks, so that its Python-level loops are few.
+# Llama-3.2-1B shapes on the H200 (benchmarks/RESULTS.md), swept when the backward launched each product on its
+# own; sum_splits, new with the merged backward, is not yet measured. HIP: CUDA's blocks with 2 stages, the AMD
+# software pipeliner's usual depth; compiled for gfx942, gfx90a and gfx1100 in CI (tests/test_aot.py), not yet
+# measured on AMD hardware. CPU (the interpreter): large blocks, so that its Python-level loops are few.
 CONFIGS = {
     "cuda": {
         "project": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
         "reduce_rows": dict(BLOCK_M=64, BLOCK_N=128, programs=528, num_warps=4, num_stages=3),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+        "sum_splits": dict(BLOCK=512, num_warps=4),
     },
     "hip": {
         "project": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=2),
         "reduce_rows": dict(BLOCK_M=64, BLOCK_N=128, programs=528, num_warps=4, num_stages=2),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
+        "sum_splits": dict(BLOCK=512, num_warps=4),
     },
     "cpu": {
         "project": dict(BLOCK_M=128, BLOCK_K=64),
         "reduce_rows": dict(BLOCK_M=64, BLOCK_N=256, programs=512),
         "add_low_rank": dict(BLOCK_M=128, BLOCK_N=256),
+        "sum_splits": dict(BLOCK=4096),
     },
 }
 
@@ -167,23 +231,46 @@ def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
     return out
 
 
-def _reduce_rows(g, x_rows):
-    """[rank, cols] fp32 = gᵀ · x_rows, reduced over rows in splits (enough programs to fill the GPU) then summed."""
-    n_rows, n_cols = x_rows.shape
-    rank = g.shape[1]
-    config = dict(CONFIGS[layout.platform(x_rows)]["reduce_rows"])
+def _project_pair(rows, grad, lora_a, lora_b, scale):
+    """(scale · rows · Aᵀ, scale · grad · B), both [rows, rank] fp32, from one launch."""
+    n_rows, n_in = rows.shape
+    rank = lora_a.shape[0]
+    config = CONFIGS[layout.platform(rows)]["project"]
+    xa, grad_xa = torch.empty((2, n_rows, rank), dtype=torch.float32, device=rows.device)
+    _project_pair_kernel[(triton.cdiv(n_rows, config["BLOCK_M"]), 2)](
+        rows, lora_a, xa, grad, lora_b, grad_xa, n_rows, n_in, grad.shape[1], rank, rows.stride(0), grad.stride(0),
+        lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1), scale,
+        BLOCK_R=_block_r(rank), PRECISION=PRECISION[layout.platform(rows)], SPLIT_BF16_X=_split_bf16(rows),
+        SPLIT_BF16_G=_split_bf16(grad), **config)
+    return xa, grad_xa
+
+
+def _reduce_rows_pair(rows, grad, xa, grad_xa):
+    """(grad_xaᵀ · rows [rank, in], gradᵀ · xa [out, rank]) fp32, reduced over rows in splits (enough programs for
+    both products to fill the GPU) by one launch, whose partial sums a second one adds up."""
+    n_rows, n_in = rows.shape
+    n_out, rank = grad.shape[1], xa.shape[1]
+    config = dict(CONFIGS[layout.platform(rows)]["reduce_rows"])
     programs = config.pop("programs")
     block_m = config["BLOCK_M"]
-    col_blocks = triton.cdiv(n_cols, config["BLOCK_N"])
+    out_blocks = triton.cdiv(n_out, config["BLOCK_N"])
+    col_blocks = out_blocks + triton.cdiv(n_in, config["BLOCK_N"])
     splits = max(1, min(triton.cdiv(n_rows, 4 * block_m), triton.cdiv(programs, col_blocks)))
     rows_per_split = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
     splits = triton.cdiv(n_rows, rows_per_split) if n_rows else 1
-    partial = torch.empty((splits, rank, n_cols), dtype=torch.float32, device=x_rows.device)  # all written
-    _reduce_rows_kernel[(col_blocks, splits)](
-        g, x_rows, partial, n_rows, n_cols, rank, rows_per_split, x_rows.stride(0),
-        BLOCK_R=_block_r(rank), PRECISION=PRECISION[layout.platform(x_rows)], SPLIT_BF16=_split_bf16(x_rows),
-        **config)
-    return partial.sum(0)
+    size = (n_out + n_in) * rank
+    partial = torch.empty((splits, size), dtype=torch.float32, device=rows.device)  # all written
+    _reduce_rows_pair_kernel[(col_blocks, splits)](
+        grad, xa, grad_xa, rows, partial, n_rows, n_out, n_in, rank, rows_per_split, grad.stride(0), rows.stride(0),
+        out_blocks, BLOCK_R=_block_r(rank), PRECISION=PRECISION[layout.platform(rows)],
+        SPLIT_BF16_X=_split_bf16(rows), SPLIT_BF16_G=_split_bf16(grad), **config)
+    # two tensors, not views of one buffer: a custom op's outputs may not alias each other
+    grad_a = torch.empty((rank, n_in), dtype=torch.float32, device=rows.device)
+    grad_b = torch.empty((n_out, rank), dtype=torch.float32, device=rows.device)
+    config = CONFIGS[layout.platform(rows)]["sum_splits"]
+    _sum_splits_kernel[(triton.cdiv(size, config["BLOCK"]),)](partial, grad_b, grad_a, splits, grad_b.numel(), size,
+                                                               **config)
+    return grad_a, grad_b
 
 
 def _add_low_rank(base, xa, weight, stride_wn, stride_wr, scale, out_dtype, round_first):
@@ -217,14 +304,11 @@ def lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
 
 
 def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling):
-    rank = lora_a.shape[0]
     rows = as_rows(x, x.shape[-1])
     grad = as_rows(grad_out, weight.shape[0])
-    xa = _project(rows, lora_a, lora_a.stride(0), lora_a.stride(1), rank, 1.0)  # recomputed, [tokens, rank]
-    # d(xa) = scaling · dY · B: B is [out, rank], read as its [rank, out] transpose
-    grad_xa = _project(grad, lora_b, lora_b.stride(1), lora_b.stride(0), rank, scaling)
-    grad_b = (_reduce_rows(xa, grad) * scaling).t().contiguous()  # scaling · dYᵀ · xa, [out, rank]
-    grad_a = _reduce_rows(grad_xa, rows)  # d(xa)ᵀ · x, [rank, in]
+    # x·Aᵀ recomputed, scaled here as only dB reads it; d(xa) = scaling · dY·B. Both [tokens, rank]
+    xa_scaled, grad_xa = _project_pair(rows, grad, lora_a, lora_b, scaling)
+    grad_a, grad_b = _reduce_rows_pair(rows, grad, xa_scaled, grad_xa)  # d(xa)ᵀ · x [rank, in], dYᵀ · xa_scaled
     grad_base = grad.to(weight.dtype) @ weight  # cuBLAS, [tokens, in]
     # dX = dY · W + d(xa) · A, A is [rank, in]: W[n, r] = A[r, n]
     grad_x = _add_low_rank(grad_base, grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, True)

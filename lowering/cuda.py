@@ -22,7 +22,8 @@ IMPLEMENTATIONS = {
     torch.ops.graphopt.lora_linear.default: "cuBLAS base matmul + Triton kernels kernels/lora.py (x·Aᵀ; scale, add "
                                             "and cast fused with ·Bᵀ): no fp32 copy of x or of the output",
     torch.ops.graphopt.lora_linear_backward.default: "cuBLAS dY·W + Triton kernels kernels/lora.py: dX, dA, dB "
-                                                     "from x as saved (bf16), no fp32 copies",
+                                                     "from x as saved (bf16), no fp32 copies, in four launches "
+                                                     "(x·Aᵀ and dY·B; dA and dB over row splits; their sum; dX)",
     torch.ops.graphopt.linear_cross_entropy.default: "cuBLAS lm_head matmuls + Triton kernel kernels/cross_entropy.py:"
                                                      "_cross_entropy_chunk_kernel, one chunk of rows at a time "
                                                      "(logits never whole; gradient written over them in place)",

@@ -15,7 +15,7 @@ from graphopt.kernels import cross_entropy, gated_activation, lora, rmsnorm, rop
 
 KERNELS = {name for module in (cross_entropy, gated_activation, lora, rmsnorm, rope) for name in vars(module)
            if name.endswith("_kernel")}
-MATRIX_KERNELS = {"_project_kernel", "_reduce_rows_kernel", "_add_low_rank_kernel"}
+MATRIX_KERNELS = {"_project_kernel", "_project_pair_kernel", "_reduce_rows_pair_kernel", "_add_low_rank_kernel"}
 TARGETS = {  # target → (matrix instructions every LoRA kernel must use, and those the other kernels may not)
     ("cuda", "90", "32"): {"wgmma", "mma.sync"},
     ("cuda", "80", "32"): {"mma.sync"},
@@ -44,5 +44,5 @@ def test_every_kernel_compiles_for_the_target(target):
         else:
             assert not found, c
     if target[:2] == ("cuda", "90"):  # Hopper's warpgroup MMA where a row block of 64 meets rank 16
-        assert all("wgmma" in c["instructions"] for c in compiled if c["kernel"] in ("_project_kernel",
-                                                                                     "_add_low_rank_kernel"))
+        assert all("wgmma" in c["instructions"] for c in compiled
+                   if c["kernel"] in ("_project_kernel", "_project_pair_kernel", "_add_low_rank_kernel"))

@@ -113,6 +113,41 @@ def test_kernels_match_fp64(r, shape, dtype, bias, scaling, seed):
         assert relative_error(out, x64) <= bound, name
 
 
+class CountedLaunches:
+    """kernel[grid](...) as before, its name appended to `launched` first."""
+
+    def __init__(self, kernel, launched):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.kernel.__name__)
+        return self.kernel[grid]
+
+
+def test_backward_is_four_triton_launches(monkeypatch):
+    """The H200's step is partly launch-bound, and the LoRA backward launched the most kernels (about ten a call):
+    now x·Aᵀ and dY·B share one launch, dA's and dB's partial sums one, their sum one, and dX's low-rank term one,
+    besides cuBLAS's dY·W. Several splits, both products' column blocks and a rank below 16 are in play; the
+    gradients are two tensors, not views of one buffer (a custom op's outputs may not alias)."""
+    from graphopt.kernels import lora, reference
+
+    launched = []
+    for name, kernel in list(vars(lora).items()):
+        if name.endswith("_kernel"):
+            monkeypatch.setattr(lora, name, CountedLaunches(kernel, launched))
+    g = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(700, 70, generator=g).to(DEVICE), torch.randn(700, 300, generator=g).to(DEVICE)
+    weight = torch.randn(300, 70, generator=g).to(DEVICE) / 70 ** 0.5
+    a, b = torch.randn(5, 70, generator=g).to(DEVICE) / 70 ** 0.5, torch.randn(300, 5, generator=g).to(DEVICE)
+    got = lora.lora_linear_backward(grad, x, weight, a, b, 2.0)
+    assert launched == ["_project_pair_kernel", "_reduce_rows_pair_kernel", "_sum_splits_kernel",
+                        "_add_low_rank_kernel"]
+    exact = reference.lora_linear_backward(grad.double(), x.double(), weight.double(), a.double(), b.double(), 2.0)
+    for name, out, x64 in zip(("dx", "dA", "dB"), got, exact):
+        assert out.dtype == torch.float32 and out.is_contiguous() and relative_error(out, x64) <= 1e-5, name
+    assert got[1].untyped_storage().data_ptr() != got[2].untyped_storage().data_ptr()
+
+
 def test_trainable_base_weight_is_a_clear_error():
     model = peft_linear(8, 4, 2, torch.float32)
     weight, bias, a, b, scaling, _ = op_args(model, torch.float32)
