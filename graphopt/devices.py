@@ -43,13 +43,18 @@ def _npu_available() -> bool:
     return bool(getattr(torch, "npu", None) and torch.npu.is_available())
 
 
+def gfx_arch(props) -> str:
+    """A ROCm device's architecture from its torch.cuda.get_device_properties(): gcnArchName without the feature
+    flags ("gfx942:sramecc+:xnack-" → "gfx942"); "" where torch gives none."""
+    return getattr(props, "gcnArchName", "").split(":")[0]
+
+
 def detect() -> Device:
     """The first accelerator torch can use (CUDA or ROCm, Ascend NPU, Apple MPS, Intel XPU), else the CPU."""
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         if torch.version.hip:
-            arch = getattr(props, "gcnArchName", "").split(":")[0]
-            return Device("hip", props.name, arch, props.total_memory, torch.cuda.is_bf16_supported())
+            return Device("hip", props.name, gfx_arch(props), props.total_memory, torch.cuda.is_bf16_supported())
         return Device("cuda", props.name, f"sm_{props.major}{props.minor}", props.total_memory,
                       torch.cuda.is_bf16_supported())
     if _npu_available():

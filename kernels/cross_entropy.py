@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graphopt.kernels import layout
+
 
 @triton.jit
 def _tanh(y):
@@ -81,13 +83,14 @@ def linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, 
     d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_weight else None
     compute_grad = grad_hidden or grad_weight
     block = min(4096, triton.next_power_of_2(vocab))
+    num_warps = layout.num_warps(hidden, 16 if block >= 2048 else 4)
     for start in range(0, n_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, n_rows))
         h = hidden[rows]
         logits = torch.nn.functional.linear(h, weight, bias)  # becomes the gradient in place
         _cross_entropy_chunk_kernel[(h.shape[0],)](
             logits, target[rows], row_losses[rows], scale, vocab, logits.stride(0), ignore_index, softcap,
-            HAS_SOFTCAP=softcap > 0, COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=16 if block >= 2048 else 4,
+            HAS_SOFTCAP=softcap > 0, COMPUTE_GRAD=compute_grad, BLOCK=block, num_warps=num_warps,
         )
         if grad_hidden:
             torch.mm(logits, weight, out=d_hidden[rows])

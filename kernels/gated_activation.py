@@ -69,7 +69,8 @@ def gated_activation_forward(gate, up, activation):
     if h.numel():
         block_m, block_n, grid = _grid(g.shape[0], n_cols, gate)
         _gated_forward_kernel[grid](g, u, h, g.shape[0], n_cols, g.stride(0), u.stride(0), h.stride(0),
-                                    KIND=_KINDS[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+                                    KIND=_KINDS[activation], BLOCK_M=block_m, BLOCK_N=block_n,
+                                    num_warps=layout.num_warps(gate, 4))
     return h.view(gate.shape)
 
 
@@ -82,5 +83,5 @@ def gated_activation_backward(grad_out, gate, up, activation):
         block_m, block_n, grid = _grid(g.shape[0], n_cols, gate)
         _gated_backward_kernel[grid](dh, g, u, dg, du, g.shape[0], n_cols, dh.stride(0), g.stride(0), u.stride(0),
                                      dg.stride(0), du.stride(0), KIND=_KINDS[activation], BLOCK_M=block_m,
-                                     BLOCK_N=block_n, num_warps=4)
+                                     BLOCK_N=block_n, num_warps=layout.num_warps(gate, 4))
     return dg.view(gate.shape), du.view(up.shape)

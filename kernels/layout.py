@@ -1,14 +1,49 @@
-"""Tensor layout helpers shared by the kernels' launch functions."""
+"""Launch helpers shared by the kernels' launch functions: which platform's settings a tensor takes, the GPU's
+size, and tensor layouts.
+
+AMD's settings are derived by rule from NVIDIA's, which were measured on the H200; none was measured on AMD
+hardware (there was none to tune on). Every kernel is compiled for gfx942, gfx90a and gfx1100 in CI
+(tests/test_aot.py)."""
+
+import functools
 
 import torch
 
+from graphopt import devices
+
 
 def platform(t: torch.Tensor) -> str:
-    """Whose launch configurations a kernel takes for t: "cuda", "hip" (ROCm shows its GPUs as cuda devices) or
-    "cpu" (Triton's interpreter, which wants few, large programs)."""
-    if t.device.type == "cuda":
-        return "hip" if torch.version.hip else "cuda"
-    return t.device.type
+    """Whose launch settings a kernel takes for t: "cuda" (NVIDIA), "cdna" or "rdna" (AMD under ROCm, which shows
+    its GPUs as cuda devices), or "cpu" (Triton's interpreter, which wants few, large programs)."""
+    if t.device.type != "cuda":
+        return t.device.type
+    return _amd_family(t.device) if torch.version.hip else "cuda"
+
+
+def amd_family(arch: str) -> str:
+    """An AMD architecture's family, by its gfx number: "cdna" for gfx9 (gfx950, gfx942 MI300, gfx90a MI250, gfx908
+    MI100), whose wavefronts are 64 wide, "rdna" for gfx10, gfx11 and gfx12, 32 wide. Triton sets the wave size
+    by the same line (64 below gfx10), so an arch not listed here (a new gfx9 → "cdna", anything else → "rdna")
+    still gets the settings for the wave size it is compiled with."""
+    return "cdna" if arch.startswith("gfx9") else "rdna"
+
+
+@functools.lru_cache(maxsize=None)
+def _amd_family(device: torch.device) -> str:  # read once per device: platform() runs at every launch
+    return amd_family(devices.gfx_arch(torch.cuda.get_device_properties(device)))
+
+
+def num_warps(t: torch.Tensor, nvidia_warps: int) -> int:
+    """num_warps for a kernel launched on t, from the num_warps it was tuned with on NVIDIA (warps of 32): the
+    same threads per program on every GPU, so that each thread does the work and holds the registers it was tuned
+    for. CDNA's wavefronts are 64 wide: half as many, at least one. RDNA's are 32 wide, as NVIDIA's."""
+    return max(1, nvidia_warps // 2) if platform(t) == "cdna" else nvidia_warps
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's SMs (NVIDIA) or compute units (AMD): launches that split work to fill the GPU size it by this."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:

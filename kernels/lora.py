@@ -182,29 +182,39 @@ def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, st
 
 # The fp32 dots' precision per platform: fp32's accuracy from tensor-core products. NVIDIA: three TF32 products;
 # AMD (Triton has no tf32x3 there, tests/test_aot.py): six bf16 products; the CPU interpreter multiplies in fp32.
-PRECISION = {"cuda": "tf32x3", "hip": "bf16x6", "cpu": "ieee"}
+PRECISION = {"cuda": "tf32x3", "cdna": "bf16x6", "rdna": "bf16x6", "cpu": "ieee"}
 
 # Launch configurations per platform (kernels/layout.py). CUDA: the best of benchmarks/lora_configs.py at the
 # Llama-3.2-1B shapes on the H200 (benchmarks/RESULTS.md), swept when the backward launched each product on its
-# own; sum_splits, new with the merged backward, is not yet measured. HIP: CUDA's blocks with 2 stages, the AMD
-# software pipeliner's usual depth; compiled for gfx942, gfx90a and gfx1100 in CI (tests/test_aot.py), not yet
-# measured on AMD hardware. CPU (the interpreter): large blocks, so that its Python-level loops are few.
+# own; sum_splits, new with the merged backward, is not yet measured. AMD, CDNA (MI300 gfx942, MI250 gfx90a) and
+# RDNA (gfx1100): CUDA's blocks under two rules, not measured (there is no AMD hardware to tune on); compiled for
+# gfx942, gfx90a and gfx1100 in CI (tests/test_aot.py). 1: the threads per program CUDA's were tuned with
+# (layout.num_warps): half the num_warps on CDNA's 64-wide wavefronts, the same on RDNA's 32-wide ones. 2: two
+# pipeline stages where a loop feeds tl.dot (project over K, reduce_rows over rows), the depth Triton's AMD stream
+# pipeliner is built for; add_low_rank has no loop and sum_splits no dot, so they keep Triton's default.
+# CPU (the interpreter): large blocks, so that its Python-level loops are few.
 CONFIGS = {
     "cuda": {
         "project": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=4),
-        "reduce_rows": dict(BLOCK_M=64, BLOCK_N=128, programs=528, num_warps=4, num_stages=3),
+        "reduce_rows": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
         "sum_splits": dict(BLOCK=512, num_warps=4),
     },
-    "hip": {
+    "cdna": {
+        "project": dict(BLOCK_M=64, BLOCK_K=64, num_warps=2, num_stages=2),
+        "reduce_rows": dict(BLOCK_M=64, BLOCK_N=128, num_warps=2, num_stages=2),
+        "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=2),
+        "sum_splits": dict(BLOCK=512, num_warps=2),
+    },
+    "rdna": {
         "project": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, num_stages=2),
-        "reduce_rows": dict(BLOCK_M=64, BLOCK_N=128, programs=528, num_warps=4, num_stages=2),
-        "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
+        "reduce_rows": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2),
+        "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4),
         "sum_splits": dict(BLOCK=512, num_warps=4),
     },
     "cpu": {
         "project": dict(BLOCK_M=128, BLOCK_K=64),
-        "reduce_rows": dict(BLOCK_M=64, BLOCK_N=256, programs=512),
+        "reduce_rows": dict(BLOCK_M=64, BLOCK_N=256),
         "add_low_rank": dict(BLOCK_M=128, BLOCK_N=256),
         "sum_splits": dict(BLOCK=4096),
     },
@@ -250,8 +260,9 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa):
     both products to fill the GPU) by one launch, whose partial sums a second one adds up."""
     n_rows, n_in = rows.shape
     n_out, rank = grad.shape[1], xa.shape[1]
-    config = dict(CONFIGS[layout.platform(rows)]["reduce_rows"])
-    programs = config.pop("programs")
+    config = CONFIGS[layout.platform(rows)]["reduce_rows"]
+    # 4 programs per SM (CU on AMD) fill the GPU: 528 on the H200, as tuned; the interpreter's count is fixed
+    programs = 512 if layout.platform(rows) == "cpu" else 4 * layout.multiprocessors(rows.device)
     block_m = config["BLOCK_M"]
     out_blocks = triton.cdiv(n_out, config["BLOCK_N"])
     col_blocks = out_blocks + triton.cdiv(n_in, config["BLOCK_N"])

@@ -4,8 +4,6 @@ All math is fp32 inside, rounded once to the output dtype. The backward recomput
 anyway), so only x and the weight are saved for it.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -72,18 +70,14 @@ def _rms_norm_backward_kernel(
 
 
 def _tile(n_rows: int, n_cols: int, like: torch.Tensor):
-    """Block shape and warps. On CPU (the Triton interpreter) big tiles keep the program count low."""
+    """Block shape and warps (as tuned on NVIDIA: layout.num_warps). On CPU (the Triton interpreter) big tiles keep
+    the program count low."""
     block_n = triton.next_power_of_2(n_cols)
     elements = 65536 if layout.platform(like) == "cpu" else 4096
     block_m = max(1, min(elements // block_n, triton.next_power_of_2(max(n_rows, 1))))
     tile = block_m * block_n
-    num_warps = 4 if tile <= 2048 else 8 if tile <= 8192 else 16
+    num_warps = layout.num_warps(like, 4 if tile <= 2048 else 8 if tile <= 8192 else 16)
     return block_m, block_n, num_warps
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_hidden(n_cols: int):
@@ -118,7 +112,7 @@ def rms_norm_backward(grad_out, x, weight, eps, weight_offset, compute_weight_gr
     n_rows = x2.shape[0]
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps = _tile(n_rows, n_cols, x)
-    programs = 4 if layout.platform(x) == "cpu" else 2 * _multiprocessors(x.device)
+    programs = 4 if layout.platform(x) == "cpu" else 2 * layout.multiprocessors(x.device)
     rows_per_program = triton.cdiv(triton.cdiv(max(n_rows, 1), programs), block_m) * block_m
     programs = triton.cdiv(max(n_rows, 1), rows_per_program)
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device) if compute_weight_grad else dx

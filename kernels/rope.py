@@ -77,7 +77,8 @@ def _launch(q, k, cos, sin, backward):
     if programs:
         _rope_kernel[(programs,)](q, k, q_out, k_out, cos, sin, q_programs, batch, seq, q_heads, k_heads,
                                   *q.stride(), *k.stride(), *cos.stride(), head_dim, rot_dim,
-                                  BACKWARD=backward, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4)
+                                  BACKWARD=backward, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_P=block_p,
+                                  num_warps=layout.num_warps(q, 4))
     return q_out, k_out
 
 

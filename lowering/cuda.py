@@ -1,5 +1,6 @@
 """CUDA target: hand-written Triton kernels (kernels/) registered for the "cuda" device type, which Inductor's
-code calls through the op's dispatcher; ops listed in DECOMPOSITIONS are instead handed to Inductor as aten
+code calls through the op's dispatcher (ROCm's AMD GPUs are cuda devices too: the kernels pick their launch
+settings by platform, kernels/layout.py); ops listed in DECOMPOSITIONS are instead handed to Inductor as aten
 below autograd (their backward formula stays ours), where measurement showed its fused code is faster.
 """
 

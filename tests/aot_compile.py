@@ -3,9 +3,11 @@
     python tests/aot_compile.py hip gfx942 64        (or: cuda 90 32)   → one JSON line per kernel launch
 
 Each launch function of kernels/ runs on small CPU tensors with its kernels replaced by recorders, under the
-platform the target implies (kernels/layout.py), so what compiles is exactly what that platform would launch:
-the kernel, its argument types, its constexprs, num_warps and num_stages. tests/test_aot.py runs this in a
-process of its own: Triton's interpreter (which the CPU tests use) must be off for kernels to compile.
+platform the target implies (kernels/layout.py: "cuda", or the AMD arch's family) and the target's multiprocessor
+count (MULTIPROCESSORS), so what compiles is exactly what that platform would launch: the kernel, its argument
+types, its constexprs, num_warps and num_stages; each line also gives the grids it was launched with. One LoRA
+backward has rows enough for its reduce to fill the GPU. tests/test_aot.py runs this in a process of its own:
+Triton's interpreter (which the CPU tests use) must be off for kernels to compile.
 """
 
 import json
@@ -19,13 +21,15 @@ from triton.runtime.jit import KernelInterface
 
 from graphopt.kernels import cross_entropy, gated_activation, layout, lora, rmsnorm, rope
 
+# SMs or CUs of each target's GPU: H100/H200, A100, MI300X, one MI250X die (ROCm shows each as a GPU), RX 7900 XTX
+MULTIPROCESSORS = {"90": 132, "80": 108, "gfx942": 304, "gfx90a": 110, "gfx1100": 96}
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
            torch.int32: "*i32", torch.bool: "*i1"}
 launches = []
 
 
 def record(kernel, grid):  # kernel[grid](*args, **kwargs) records instead of launching
-    return lambda *args, **kwargs: launches.append((kernel, args, kwargs))
+    return lambda *args, **kwargs: launches.append((kernel, grid, args, kwargs))
 
 
 def signature(kernel, args, kwargs):
@@ -48,7 +52,7 @@ def signature(kernel, args, kwargs):
     return types, constexprs, options
 
 
-def run_launch_functions():
+def run_launch_functions(multiprocessors):
     g = torch.Generator().manual_seed(0)
 
     def randn(*shape, dtype=torch.bfloat16):
@@ -71,6 +75,11 @@ def run_launch_functions():
         lora.lora_linear_forward(randn(64, 256, dtype=dtype), weight, None, lora_a, lora_b, 2.0, dtype)
         lora.lora_linear_backward(randn(64, 512, dtype=dtype), randn(64, 256, dtype=dtype), weight, lora_a, lora_b,
                                   2.0)
+        # 16 features in and out, a column block each, and 2 · multiprocessors splits of the fewest rows a split
+        # takes (4 · BLOCK_M = 256): exactly 4 programs per multiprocessor
+        many_rows, narrow = 512 * multiprocessors, randn(16, 16, dtype=torch.float32)
+        lora.lora_linear_backward(randn(many_rows, 16, dtype=dtype), randn(many_rows, 16, dtype=dtype),
+                                  randn(16, 16, dtype=dtype), narrow, narrow, 2.0)
         hidden, lm_head = randn(64, 256, dtype=dtype), randn(1000, 256, dtype=dtype)
         target = torch.randint(0, 1000, (64,), generator=g)
         for softcap in (0.0, 30.0):
@@ -79,23 +88,27 @@ def run_launch_functions():
 
 def main(backend, arch, warp_size):
     target = GPUTarget(backend, int(arch) if backend == "cuda" else arch, int(warp_size))
+    platform = "cuda" if backend == "cuda" else layout.amd_family(arch)
     KernelInterface.__getitem__ = record  # this process launches nothing
-    layout.platform = lambda t: backend
-    rmsnorm._multiprocessors = lambda device: 128
-    run_launch_functions()
-    compiled = {}
-    for kernel, args, kwargs in launches:
+    layout.platform = lambda t: platform
+    layout.multiprocessors = lambda device: MULTIPROCESSORS[arch]
+    run_launch_functions(MULTIPROCESSORS[arch])
+    signatures, grids = {}, {}  # one compile per distinct signature, with every grid it was launched with
+    for kernel, grid, args, kwargs in launches:
         types, constexprs, options = signature(kernel, args, kwargs)
         key = json.dumps([kernel.__name__, types, {k: repr(v) for k, v in constexprs.items()}, options])
-        if key in compiled:
-            continue
+        signatures[key] = kernel, types, constexprs, options
+        grids.setdefault(key, set()).add(tuple(grid))
+    for key, (kernel, types, constexprs, options) in signatures.items():
         binary = triton.compile(ASTSource(kernel, types, constexprs), target=target, options=options)
         assembly = binary.asm.get("amdgcn") or binary.asm.get("ptx") or ""
-        compiled[key] = {"kernel": kernel.__name__, "constexprs": {k: repr(v) for k, v in constexprs.items()},
-                         "options": options, "binary": "hsaco" if backend == "hip" else "cubin",
-                         "binary_bytes": len(binary.asm.get("hsaco") or binary.asm.get("cubin") or b""),
-                         "instructions": sorted(i for i in ("mfma", "wmma", "wgmma", "mma.sync") if i in assembly)}
-        print(json.dumps(compiled[key]), flush=True)
+        print(json.dumps({
+            "kernel": kernel.__name__, "platform": platform, "types": types,
+            "constexprs": {k: repr(v) for k, v in constexprs.items()},
+            "options": options, "threads": binary.metadata.num_warps * binary.metadata.warp_size,
+            "grids": sorted(grids[key]), "binary": "hsaco" if backend == "hip" else "cubin",
+            "binary_bytes": len(binary.asm.get("hsaco") or binary.asm.get("cubin") or b""),
+            "instructions": sorted(i for i in ("mfma", "wmma", "wgmma", "mma.sync") if i in assembly)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """`graphopt doctor`: device detection (faked devices), versions as installed, every op self-tested, and a wrong
-or failing op reported as unavailable with a non-zero exit."""
+or failing op reported as unavailable with a non-zero exit. Also the kernels' launch platform of a faked device."""
 
 import importlib.metadata
 import io
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from graphopt import devices, doctor
-from graphopt.kernels import reference
+from graphopt.kernels import layout, reference
 from graphopt.lowering import ops
 
 OP_NAMES = {op._opname for op in ops.ALL_OPS} | {"offload/reload"}
@@ -82,6 +82,33 @@ def test_detects_rocm_with_its_gfx_arch(monkeypatch):
     device = devices.detect()
     assert (device.target, device.arch) == ("hip", "gfx942")
     assert device.torch_device == torch.device("cuda")  # ROCm's GPUs are cuda devices to torch
+
+
+@pytest.fixture
+def fresh_platforms():  # platform() reads a device's arch once; each test fakes another
+    layout._amd_family.cache_clear()
+    yield
+    layout._amd_family.cache_clear()
+
+
+@pytest.mark.parametrize("arch, family", [
+    ("gfx942:sramecc+:xnack-", "cdna"), ("gfx90a:sramecc+:xnack-", "cdna"), ("gfx908", "cdna"), ("gfx1100", "rdna"),
+    ("gfx1201", "rdna"),
+    ("gfx960", "cdna"), ("gfx1300", "rdna"), ("", "rdna"),  # unknown to graphopt: by the gfx number's wave size
+])
+def test_rocm_gpus_take_their_familys_launch_settings(monkeypatch, fresh_platforms, arch, family):
+    fake_gpu(monkeypatch, "6.2.41133", "AMD GPU", arch=arch)
+    gpu_tensor = SimpleNamespace(device=torch.device("cuda", 0))  # platform() reads only the device
+    assert layout.platform(gpu_tensor) == family
+    assert layout.num_warps(gpu_tensor, 16) == (8 if family == "cdna" else 16)  # NVIDIA's threads per program
+    assert layout.num_warps(gpu_tensor, 1) == 1
+
+
+def test_nvidia_gpus_and_the_cpu_keep_their_launch_settings(monkeypatch, fresh_platforms):
+    fake_gpu(monkeypatch, None, "NVIDIA H200")
+    gpu_tensor = SimpleNamespace(device=torch.device("cuda", 0))
+    assert (layout.platform(gpu_tensor), layout.num_warps(gpu_tensor, 4)) == ("cuda", 4)
+    assert (layout.platform(torch.ones(1)), layout.num_warps(torch.ones(1), 4)) == ("cpu", 4)
 
 
 def test_detects_mps_when_there_is_no_gpu(monkeypatch):
