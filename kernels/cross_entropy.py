@@ -82,7 +82,7 @@ def linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction, 
     d_hidden = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
     d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grad_weight else None
     compute_grad = grad_hidden or grad_weight
-    block = min(4096, triton.next_power_of_2(vocab))
+    block = min(4096, layout.next_power_of_2(vocab))
     num_warps = layout.num_warps(hidden, 16 if block >= 2048 else 4)
     for start in range(0, n_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, n_rows))

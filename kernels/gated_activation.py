@@ -56,10 +56,10 @@ def _gated_backward_kernel(DH, G, U, DG, DU, n_rows, n_cols, stride_dh, stride_g
 
 
 def _grid(n_rows, n_cols, like):
-    block_n = min(triton.next_power_of_2(max(n_cols, 1)), 1024)
+    block_n = min(layout.next_power_of_2(max(n_cols, 1)), 1024)
     elements = 65536 if layout.platform(like) == "cpu" else 4096  # the interpreter wants few, large programs
-    block_m = max(1, min(elements // block_n, triton.next_power_of_2(max(n_rows, 1))))
-    return block_m, block_n, (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    block_m = max(1, min(elements // block_n, layout.next_power_of_2(max(n_rows, 1))))
+    return block_m, block_n, (layout.cdiv(n_rows, block_m), layout.cdiv(n_cols, block_n))
 
 
 def gated_activation_forward(gate, up, activation):

@@ -46,6 +46,18 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Host-side integer helpers for launch functions. triton.cdiv and triton.next_power_of_2 are constexpr functions
+# since Triton 3.5: about 4 µs a call from Python, ~14 calls in one LoRA backward, where the step is bound by the
+# host's launch speed (benchmarks/RESULTS.md). Inside @triton.jit code, use tl.cdiv.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 ≥ n (1 for n ≤ 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     """t as a [rows, n_cols] matrix with unit column stride: a view when possible, else a contiguous copy."""
     rows = t.reshape(-1, n_cols)

@@ -222,7 +222,7 @@ CONFIGS = {
 
 
 def _block_r(rank):
-    return max(16, triton.next_power_of_2(rank))  # tl.dot needs every block dimension ≥ 16
+    return max(16, layout.next_power_of_2(rank))  # tl.dot needs every block dimension ≥ 16
 
 
 def _split_bf16(x_rows):
@@ -234,7 +234,7 @@ def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
     n_rows, n_cols = x_rows.shape
     config = CONFIGS[layout.platform(x_rows)]["project"]
     out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
-    _project_kernel[(triton.cdiv(n_rows, config["BLOCK_M"]),)](
+    _project_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]),)](
         x_rows, weight, out, n_rows, n_cols, rank, x_rows.stride(0), stride_wr, stride_wk, scale,
         BLOCK_R=_block_r(rank), PRECISION=PRECISION[layout.platform(x_rows)], SPLIT_BF16=_split_bf16(x_rows),
         **config)
@@ -247,7 +247,7 @@ def _project_pair(rows, grad, lora_a, lora_b, scale):
     rank = lora_a.shape[0]
     config = CONFIGS[layout.platform(rows)]["project"]
     xa, grad_xa = torch.empty((2, n_rows, rank), dtype=torch.float32, device=rows.device)
-    _project_pair_kernel[(triton.cdiv(n_rows, config["BLOCK_M"]), 2)](
+    _project_pair_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]), 2)](
         rows, lora_a, xa, grad, lora_b, grad_xa, n_rows, n_in, grad.shape[1], rank, rows.stride(0), grad.stride(0),
         lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1), scale,
         BLOCK_R=_block_r(rank), PRECISION=PRECISION[layout.platform(rows)], SPLIT_BF16_X=_split_bf16(rows),
@@ -264,11 +264,11 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa):
     # 4 programs per SM (CU on AMD) fill the GPU: 528 on the H200, as tuned; the interpreter's count is fixed
     programs = 512 if layout.platform(rows) == "cpu" else 4 * layout.multiprocessors(rows.device)
     block_m = config["BLOCK_M"]
-    out_blocks = triton.cdiv(n_out, config["BLOCK_N"])
-    col_blocks = out_blocks + triton.cdiv(n_in, config["BLOCK_N"])
-    splits = max(1, min(triton.cdiv(n_rows, 4 * block_m), triton.cdiv(programs, col_blocks)))
-    rows_per_split = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
-    splits = triton.cdiv(n_rows, rows_per_split) if n_rows else 1
+    out_blocks = layout.cdiv(n_out, config["BLOCK_N"])
+    col_blocks = out_blocks + layout.cdiv(n_in, config["BLOCK_N"])
+    splits = max(1, min(layout.cdiv(n_rows, 4 * block_m), layout.cdiv(programs, col_blocks)))
+    rows_per_split = layout.cdiv(layout.cdiv(n_rows, splits), block_m) * block_m
+    splits = layout.cdiv(n_rows, rows_per_split) if n_rows else 1
     size = (n_out + n_in) * rank
     partial = torch.empty((splits, size), dtype=torch.float32, device=rows.device)  # all written
     _reduce_rows_pair_kernel[(col_blocks, splits)](
@@ -279,7 +279,7 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa):
     grad_a = torch.empty((rank, n_in), dtype=torch.float32, device=rows.device)
     grad_b = torch.empty((n_out, rank), dtype=torch.float32, device=rows.device)
     config = CONFIGS[layout.platform(rows)]["sum_splits"]
-    _sum_splits_kernel[(triton.cdiv(size, config["BLOCK"]),)](partial, grad_b, grad_a, splits, grad_b.numel(), size,
+    _sum_splits_kernel[(layout.cdiv(size, config["BLOCK"]),)](partial, grad_b, grad_a, splits, grad_b.numel(), size,
                                                                **config)
     return grad_a, grad_b
 
@@ -291,7 +291,7 @@ def _add_low_rank(base, xa, weight, stride_wn, stride_wr, scale, out_dtype, roun
     config = CONFIGS[layout.platform(base)]["add_low_rank"]
     in_place = base.dtype == out_dtype and base.is_contiguous()
     out = base if in_place else torch.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
-    grid = (triton.cdiv(n_rows, config["BLOCK_M"]), triton.cdiv(n_cols, config["BLOCK_N"]))
+    grid = (layout.cdiv(n_rows, config["BLOCK_M"]), layout.cdiv(n_cols, config["BLOCK_N"]))
     _add_low_rank_kernel[grid](
         base, xa, weight, out, n_rows, n_cols, xa.shape[1], base.stride(0), stride_wn, stride_wr, scale,
         ROUND_FIRST=round_first, BLOCK_R=_block_r(xa.shape[1]), PRECISION=PRECISION[layout.platform(base)],

@@ -72,9 +72,9 @@ def _rms_norm_backward_kernel(
 def _tile(n_rows: int, n_cols: int, like: torch.Tensor):
     """Block shape and warps (as tuned on NVIDIA: layout.num_warps). On CPU (the Triton interpreter) big tiles keep
     the program count low."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = layout.next_power_of_2(n_cols)
     elements = 65536 if layout.platform(like) == "cpu" else 4096
-    block_m = max(1, min(elements // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    block_m = max(1, min(elements // block_n, layout.next_power_of_2(max(n_rows, 1))))
     tile = block_m * block_n
     num_warps = layout.num_warps(like, 4 if tile <= 2048 else 8 if tile <= 8192 else 16)
     return block_m, block_n, num_warps
@@ -95,7 +95,7 @@ def rms_norm_forward(x, weight, eps, weight_offset, out_dtype):
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     if n_rows > 0:
         block_m, block_n, num_warps = _tile(n_rows, n_cols, x)
-        _rms_norm_forward_kernel[(triton.cdiv(n_rows, block_m),)](
+        _rms_norm_forward_kernel[(layout.cdiv(n_rows, block_m),)](
             x2, weight if weight is not None else x2, y, n_rows, n_cols, x2.stride(0), y.stride(0),
             eps, weight_offset, HAS_WEIGHT=weight is not None, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps,
@@ -113,8 +113,8 @@ def rms_norm_backward(grad_out, x, weight, eps, weight_offset, compute_weight_gr
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     block_m, block_n, num_warps = _tile(n_rows, n_cols, x)
     programs = 4 if layout.platform(x) == "cpu" else 2 * layout.multiprocessors(x.device)
-    rows_per_program = triton.cdiv(triton.cdiv(max(n_rows, 1), programs), block_m) * block_m
-    programs = triton.cdiv(max(n_rows, 1), rows_per_program)
+    rows_per_program = layout.cdiv(layout.cdiv(max(n_rows, 1), programs), block_m) * block_m
+    programs = layout.cdiv(max(n_rows, 1), rows_per_program)
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=x.device) if compute_weight_grad else dx
     if n_rows > 0:
         _rms_norm_backward_kernel[(programs,)](

@@ -66,14 +66,14 @@ def _launch(q, k, cos, sin, backward):
     if sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     q_out, k_out = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k))
-    block_h = triton.next_power_of_2(rot_dim // 2)
-    block_p = triton.next_power_of_2(head_dim - rot_dim) if head_dim > rot_dim else 0
+    block_h = layout.next_power_of_2(rot_dim // 2)
+    block_p = layout.next_power_of_2(head_dim - rot_dim) if head_dim > rot_dim else 0
     q_rows, k_rows = q.numel() // head_dim, k.numel() // head_dim
     elements = 65536 if layout.platform(q) == "cpu" else 4096  # the interpreter wants few, large programs
-    row_elements = triton.next_power_of_2(2 * block_h + block_p)
-    block_m = max(1, min(elements // row_elements, triton.next_power_of_2(max(q_rows, k_rows, 1))))
-    q_programs = triton.cdiv(q_rows, block_m)
-    programs = q_programs + triton.cdiv(k_rows, block_m)
+    row_elements = layout.next_power_of_2(2 * block_h + block_p)
+    block_m = max(1, min(elements // row_elements, layout.next_power_of_2(max(q_rows, k_rows, 1))))
+    q_programs = layout.cdiv(q_rows, block_m)
+    programs = q_programs + layout.cdiv(k_rows, block_m)
     if programs:
         _rope_kernel[(programs,)](q, k, q_out, k_out, cos, sin, q_programs, batch, seq, q_heads, k_heads,
                                   *q.stride(), *k.stride(), *cos.stride(), head_dim, rot_dim,

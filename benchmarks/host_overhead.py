@@ -1,0 +1,56 @@
+"""Host time of graphopt's GPU launch functions: what a training step pays on the CPU per op call, with every
+Triton launch stubbed out and the tensors tiny, so that nothing but graphopt's Python is timed. A step is bound by
+this on hosts whose CPU launches kernels slower than the GPU runs them (benchmarks/RESULTS.md).
+
+    python benchmarks/host_overhead.py            (on any machine: no GPU needed)
+
+Each launch function takes the NVIDIA path (launch settings, precision choices) on fp32 CPU tensors. The base
+matmuls (cuBLAS on the GPU) run on the CPU here: their time is measured alone and subtracted.
+"""
+
+import time
+
+import torch
+from triton.runtime.jit import JITFunction
+
+from graphopt.kernels import cross_entropy, gated_activation, layout, lora, rmsnorm, rope
+
+
+def per_call_us(fn, calls=3000):
+    for _ in range(200):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main():
+    JITFunction.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)  # every launch: a no-op
+    layout.platform = lambda t: "cuda"
+    layout.multiprocessors = lambda device: 132  # the H200's
+    dtype = torch.float32  # the base matmuls are timed too: fp32 keeps them short on the CPU
+    x, w = torch.randn(8, 32, dtype=dtype), torch.randn(48, 32, dtype=dtype)
+    a, b, g = torch.randn(16, 32), torch.randn(48, 16), torch.randn(8, 48, dtype=dtype)
+    matmul = per_call_us(lambda: torch.nn.functional.linear(x, w))
+    norm_w, q, k = torch.randn(32, dtype=dtype), torch.randn(1, 4, 8, 16, dtype=dtype), torch.randn(1, 2, 8, 16, dtype=dtype)
+    cos, sin = torch.randn(1, 8, 16, dtype=dtype), torch.randn(1, 8, 16, dtype=dtype)
+    head, target = torch.randn(8, 32, dtype=dtype), torch.randint(0, 48, (8,))
+    rows = [
+        ("lora_linear forward", lambda: lora.lora_linear_forward(x, w, None, a, b, 2.0, dtype), 1),
+        ("lora_linear backward", lambda: lora.lora_linear_backward(g, x, w, a, b, 2.0), 1),
+        ("rms_norm forward", lambda: rmsnorm.rms_norm_forward(x, norm_w, 1e-6, 0.0, dtype), 0),
+        ("rms_norm backward", lambda: rmsnorm.rms_norm_backward(x, x, norm_w, 1e-6, 0.0, False), 0),
+        ("rope forward", lambda: rope.rope_forward(q, k, cos, sin), 0),
+        ("gated_activation forward", lambda: gated_activation.gated_activation_forward(x, x, "silu"), 0),
+        ("linear_cross_entropy (1 chunk)",
+         lambda: cross_entropy.linear_cross_entropy(head, w, None, target, -100, "mean", 0.0, 8, True, False), 2),
+    ]
+    print(f"torch {torch.__version__}; a tiny CPU matmul takes {matmul:.1f} µs (subtracted per matmul below)\n")
+    print("| launch function | host µs per call |\n| --- | ---: |")
+    for name, fn, matmuls in rows:
+        print(f"| {name} | {per_call_us(fn) - matmuls * matmul:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
