@@ -238,6 +238,24 @@ def profile_steps(forward, optimizer, input_ids, device, path, steps=2):
         print_stream_timeline(path, steps)
 
 
+def stream_timeline(events):
+    """{stream: (ops, busy µs, copies µs, idle gaps in µs)} from profiler trace events on a device ("ph": "X")."""
+    by_stream, timeline = {}, {}
+    for e in events:
+        by_stream.setdefault(e["args"].get("stream"), []).append((e["ts"], e["ts"] + e["dur"], e["cat"]))
+    for stream, spans in by_stream.items():
+        spans.sort()
+        busy, gaps, end = 0.0, [], spans[0][0]
+        for start, stop, _ in spans:
+            if start > end:
+                gaps.append(start - end)
+            busy += max(0.0, stop - max(start, end))  # overlapping spans (concurrent kernels) counted once
+            end = max(end, stop)
+        copies = sum(stop - start for start, stop, cat in spans if cat != "kernel")
+        timeline[stream] = (len(spans), busy, copies, gaps)
+    return timeline
+
+
 def print_stream_timeline(trace_path, steps):
     """Per CUDA stream: how much of the profiled wall time it was busy, and its idle gaps. Tells a step waiting
     for the CPU to launch (the compute stream idle in many short gaps) from one waiting for copies (the compute
@@ -249,23 +267,34 @@ def print_stream_timeline(trace_path, steps):
         return
     wall = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
     print(f"  streams over {wall / 1000 / steps:.1f} ms/step of wall time:", file=sys.stderr)
-    by_stream = {}
-    for e in events:
-        by_stream.setdefault(e["args"].get("stream"), []).append((e["ts"], e["ts"] + e["dur"], e["cat"]))
-    for stream, spans in sorted(by_stream.items(), key=lambda kv: -len(kv[1])):
-        spans.sort()
-        busy, gaps, end = 0.0, [], spans[0][0]
-        for start, stop, _ in spans:
-            if start > end:
-                gaps.append(start - end)
-            busy += max(0.0, stop - max(start, end))
-            end = max(end, stop)
-        copies = sum(stop - start for start, stop, cat in spans if cat != "kernel")
+    for stream, (ops, busy, copies, gaps) in sorted(stream_timeline(events).items(), key=lambda kv: -kv[1][0]):
         long_gaps = [g for g in gaps if g >= 100]
-        print(f"    stream {stream}: {len(spans) // steps} ops/step, busy {busy / 1000 / steps:.1f} ms/step "
+        print(f"    stream {stream}: {ops // steps} ops/step, busy {busy / 1000 / steps:.1f} ms/step "
               f"(copies {copies / 1000 / steps:.1f}), idle {sum(gaps) / 1000 / steps:.1f} ms/step in "
               f"{len(gaps) // steps} gaps, {len(long_gaps) // steps} of them ≥100 µs "
               f"({sum(long_gaps) / 1000 / steps:.1f} ms/step)", file=sys.stderr)
+
+
+def allocations_at_peak(events, start):
+    """Replay the CUDA allocator's history (torch.cuda.memory._snapshot()'s device trace) from `start` bytes
+    allocated: (the peak of allocated bytes, {address: alloc event} of what was allocated in the trace and live
+    then). A block freed in the trace but allocated before it lowers the total only. An allocation with no
+    Python frames (the autograd engine's, in C++) gets "after": the last event before it that had frames."""
+    live, total, peak, at_peak, last_framed = {}, start, start, {}, None
+    for event in events:
+        if event["frames"]:
+            last_framed = event
+        if event["action"] == "alloc":
+            live[event["addr"]] = event if event["frames"] else {**event, "after": last_framed}
+            total += event["size"]
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+            total -= event["size"]
+        else:
+            continue
+        if total > peak:
+            peak, at_peak = total, dict(live)
+    return peak, at_peak
 
 
 def print_memory_at_peak(forward, optimizer, input_ids, device, top=30):
@@ -280,21 +309,7 @@ def print_memory_at_peak(forward, optimizer, input_ids, device, top=30):
     synchronize(device)
     events = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
     torch.cuda.memory._record_memory_history(enabled=None)
-    live, total, peak, at_peak, last_framed = {}, start, start, {}, None
-    for event in events:
-        if event["frames"]:
-            last_framed = event
-        if event["action"] == "alloc":
-            # allocated outside Python (the autograd engine's C++): placed by the last event that had frames
-            live[event["addr"]] = event if event["frames"] else {**event, "after": last_framed}
-            total += event["size"]
-        elif event["action"] == "free_completed":
-            live.pop(event["addr"], None)
-            total -= event["size"]
-        else:
-            continue
-        if total > peak:
-            peak, at_peak = total, dict(live)
+    peak, at_peak = allocations_at_peak(events, start)
 
     def origin(event):
         for frame in event["frames"]:

@@ -1,0 +1,51 @@
+"""The analyses behind benchmarks/train_step.py's --profile (per-stream timeline) and --memory-at-peak (the
+allocator's history replayed): the figures in benchmarks/RESULTS.md come from them."""
+
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import train_step  # noqa: E402
+
+
+def span(stream, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_stream_timeline_counts_overlaps_once_and_measures_gaps():
+    events = [span(7, 0, 10), span(7, 5, 10),  # overlapping: busy 0..15
+              span(7, 115, 5),  # a 100 µs gap before it
+              span(13, 2, 50, "gpu_memcpy"), span(13, 60, 4, "gpu_memset")]
+    timeline = train_step.stream_timeline(events)
+    assert timeline[7] == (3, 20.0, 0, [100])
+    assert timeline[13] == (2, 54.0, 54, [8])
+
+
+def test_stream_timeline_is_printed_from_a_chrome_trace(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [span(7, 0, 1000), span(7, 1500, 500), {"ph": "i", "ts": 0}]}))
+    train_step.print_stream_timeline(str(trace), steps=1)
+    assert "stream 7: 2 ops/step, busy 1.5 ms/step (copies 0.0), idle 0.5 ms/step in 1 gaps, 1 of them" in (
+        capsys.readouterr().err)
+
+
+def event(action, addr, size, frames=()):
+    return {"action": action, "addr": addr, "size": size, "frames": list(frames)}
+
+
+def test_allocations_at_peak_replays_the_history():
+    framed = [{"filename": "lowering/transfer.py", "line": 66, "name": "_copy_in"}]
+    events = [
+        event("alloc", 1, 100, framed),
+        event("free_requested", 1, 100, framed),  # not freed yet: only free_completed counts
+        event("alloc", 2, 50),  # no Python frames: placed after the last framed event
+        event("free_completed", 99, 30, framed),  # allocated before the history began
+        event("free_completed", 1, 100, framed),
+        event("alloc", 3, 10, framed),
+    ]
+    peak, live = train_step.allocations_at_peak(events, start=1000)
+    assert peak == 1150 and set(live) == {1, 2}
+    assert live[2]["after"] is events[1]
+    assert train_step.allocations_at_peak(events[:1], start=0) == (100, {1: events[0]})
