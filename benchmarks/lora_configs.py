@@ -1,13 +1,16 @@
-"""Sweep the launch configurations of kernels/lora.py at the Llama-3.2-1B shapes (CUDA only).
+"""Sweep the launch configurations of kernels/lora.py at the shapes of one decoder layer (CUDA only).
 
-    python benchmarks/lora_configs.py            # prints, per kernel, IEEE vs tf32x3 and the 4 best configs
+    python benchmarks/lora_configs.py                # Llama-3.2-1B: 8192 tokens (batch 4 × 2048)
+    python benchmarks/lora_configs.py --shape 8b     # Llama-3-8B: 4096 tokens (batch 2 × 2048)
 
-Each kernel is timed (triton.testing.do_bench, µs) on the shapes one decoder layer gives it — 8192 tokens,
-hidden 2048, intermediate 8192, 8 KV heads × 64 (k/v width 512), LoRA r=16 — and the times are summed weighted
-by how often a training step of one layer calls it (forward, and the backward that recomputes x·Aᵀ). The best
-config per kernel is what kernels/lora.py CONFIGS["cuda"] should hold.
+Prints, per kernel, IEEE vs tf32x3 at the current config and the 4 best configs. Each kernel is timed
+(triton.testing.do_bench, µs) on the shapes one decoder layer gives it (LoRA r=16), and the times are summed
+weighted by how often a training step of one layer calls it (forward, and the backward that recomputes x·Aᵀ).
+The best config per kernel is what kernels/lora.py CONFIGS["cuda"] should hold; the reduce's number of programs
+is not swept: it is 4 × the GPU's SMs (kernels/layout.py multiprocessors).
 """
 
+import argparse
 import itertools
 import sys
 
@@ -16,28 +19,33 @@ from triton.testing import do_bench
 
 from graphopt.kernels import lora
 
-TOKENS, RANK = 8192, 16
-WIDTHS = (512, 2048, 8192)  # k/v, hidden, intermediate
-# Per layer: (in, out) widths of the adapted linears and how many have them: q and o, k and v, gate and up, down
-LINEARS = [((2048, 2048), 2), ((2048, 512), 2), ((2048, 8192), 2), ((8192, 2048), 1)]
+RANK = 16
+# tokens, and the widths of one layer's adapted linears: hidden (q, o), k/v, intermediate (gate, up; down's input)
+SHAPES = {"1b": dict(tokens=8192, hidden=2048, kv=512, intermediate=8192),
+          "8b": dict(tokens=4096, hidden=4096, kv=1024, intermediate=14336)}
+
 
 GRIDS = {
     "project": [dict(BLOCK_M=m, BLOCK_K=k, num_warps=w, num_stages=s)
                 for m, k, w, s in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 4))],
-    "reduce_rows": [dict(BLOCK_M=m, BLOCK_N=n, programs=p, num_warps=w, num_stages=3)
-                    for m, n, p, w in itertools.product((32, 64), (64, 128), (264, 528, 1056), (4, 8))],
+    "reduce_rows": [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=3)
+                    for m, n, w in itertools.product((32, 64), (64, 128), (4, 8))],
     "add_low_rank": [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=3)
                      for m, n, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8))],
     "sum_splits": [dict(BLOCK=b, num_warps=w) for b, w in itertools.product((256, 512, 1024, 2048), (2, 4, 8))],
 }
 
 
-def cases():
-    """{kernel: [(call, calls per layer and step)]}."""
-    rows = {w: torch.randn(TOKENS, w, device="cuda", dtype=torch.bfloat16) for w in WIDTHS}
-    a = {w: torch.randn(RANK, w, device="cuda") * 0.02 for w in WIDTHS}  # lora_A [r, in]
-    b = {w: torch.randn(w, RANK, device="cuda") * 0.02 for w in WIDTHS}  # lora_B [out, r]
-    low = torch.randn(TOKENS, RANK, device="cuda")
+def cases(shape, device="cuda"):
+    """{kernel: [(call, calls per layer and step)]} at SHAPES[shape]."""
+    tokens, hidden, kv, intermediate = (SHAPES[shape][k] for k in ("tokens", "hidden", "kv", "intermediate"))
+    # per layer: (in, out) widths of the adapted linears and how many have them: q and o, k and v, gate and up, down
+    linears = [((hidden, hidden), 2), ((hidden, kv), 2), ((hidden, intermediate), 2), ((intermediate, hidden), 1)]
+    widths = (kv, hidden, intermediate)
+    rows = {w: torch.randn(tokens, w, device=device, dtype=torch.bfloat16) for w in widths}
+    a = {w: torch.randn(RANK, w, device=device) * 0.02 for w in widths}  # lora_A [r, in]
+    b = {w: torch.randn(w, RANK, device=device) * 0.02 for w in widths}  # lora_B [out, r]
+    low = torch.randn(tokens, RANK, device=device)
 
     def project_x(w):  # the forward's x·Aᵀ
         return lambda: lora._project(rows[w], a[w], a[w].stride(0), a[w].stride(1), RANK, 1.0)
@@ -52,13 +60,14 @@ def cases():
         return lambda: lora._add_low_rank(rows[w], low, b[w], b[w].stride(0), b[w].stride(1), 1.0,
                                           torch.bfloat16, False)
 
-    # add_low_rank per layer: the forward's outputs 2048 (q, o, down), 512 (k, v), 8192 (gate, up) and the
-    # backward's dX, 2048 wide for q, k, v, o, gate, up and 8192 for down
+    # add_low_rank per layer: the forward's outputs hidden (q, o, down), kv (k, v), intermediate (gate, up) and
+    # the backward's dX, hidden wide for q, k, v, o, gate, up and intermediate for down
     return {
-        "project": [(project_x(2048), 6), (project_x(8192), 1)] + [(project_pair(*w), n) for w, n in LINEARS],
-        "reduce_rows": [(reduce_rows_pair(*w), n) for w, n in LINEARS],
-        "add_low_rank": [(add_low_rank(2048), 9), (add_low_rank(512), 2), (add_low_rank(8192), 3)],
-        "sum_splits": [(reduce_rows_pair(*w), n) for w, n in LINEARS],  # timed with the reduce it follows
+        "project": [(project_x(hidden), 6), (project_x(intermediate), 1)]
+                   + [(project_pair(*w), n) for w, n in linears],
+        "reduce_rows": [(reduce_rows_pair(*w), n) for w, n in linears],
+        "add_low_rank": [(add_low_rank(hidden), 9), (add_low_rank(kv), 2), (add_low_rank(intermediate), 3)],
+        "sum_splits": [(reduce_rows_pair(*w), n) for w, n in linears],  # timed with the reduce it follows
     }
 
 
@@ -68,9 +77,13 @@ def weighted_time(calls):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lora_configs.py sweeps CUDA launch configurations: it needs a GPU")
-    calls = cases()
+    print(f"{args.shape}: {SHAPES[args.shape]}, LoRA r={RANK}")
+    calls = cases(args.shape)
     current = {name: dict(config) for name, config in lora.CONFIGS["cuda"].items()}
     for name, grid in GRIDS.items():
         results = []

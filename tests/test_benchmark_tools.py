@@ -49,3 +49,22 @@ def test_allocations_at_peak_replays_the_history():
     assert peak == 1150 and set(live) == {1, 2}
     assert live[2]["after"] is events[1]
     assert train_step.allocations_at_peak(events[:1], start=0) == (100, {1: events[0]})
+
+
+def test_every_lora_sweep_case_runs_with_the_grids_keys(monkeypatch):
+    """benchmarks/lora_configs.py times each kernel under the configs of its grid: every key of a grid entry must
+    be one the launch functions accept (a stale one fails every config, which the sweep reports as 'cannot run').
+    At a tiny shape, on the CPU through Triton's interpreter, under CUDA's launch settings."""
+    import lora_configs
+    from graphopt.kernels import layout, lora
+
+    monkeypatch.setitem(lora_configs.SHAPES, "tiny", dict(tokens=64, hidden=32, kv=16, intermediate=48))
+    monkeypatch.setattr(layout, "platform", lambda t: "cuda")
+    monkeypatch.setattr(layout, "multiprocessors", lambda device: 2)
+    monkeypatch.setitem(lora.PRECISION, "cuda", "ieee")  # the interpreter's dots
+    for name, grid in lora_configs.GRIDS.items():  # compiled Triton rejects unknown keys; the interpreter does not
+        assert all(config.keys() == lora.CONFIGS["cuda"][name].keys() for config in grid), name
+    for name, calls in lora_configs.cases("tiny", device="cpu").items():
+        monkeypatch.setitem(lora.CONFIGS["cuda"], name, lora_configs.GRIDS[name][0])
+        for call, _ in calls:
+            call()
