@@ -26,22 +26,15 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_symbols, statically_known_true
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from graphopt.passes.match import is_call, is_tensor, value
+from graphopt.passes.match import is_call, is_tensor, sdpa_arguments, value
 from graphopt.report import record_for
 
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _RESHAPES = ("reshape", "view")
 _CPU = torch.device("cpu")
 
 
 class Miss(Exception):
     """The rewrite cannot be proven to compute the same attention; the message says why."""
-
-
-def _arguments(sdpa: Node) -> dict:
-    named = dict(zip(_SDPA_ARGS, sdpa.args))
-    named.update(sdpa.kwargs)
-    return named
 
 
 def _ancestors(node: Node) -> list:
@@ -190,7 +183,7 @@ def rewrite_attention(gm: GraphModule, report) -> int:
     rewritten = 0
     proofs = {}  # (mask, lengths) → None when proven causal, else why not (one mask serves every layer)
     for sdpa in [n for n in gm.graph.nodes if is_call(n, F.scaled_dot_product_attention)]:
-        args = _arguments(sdpa)
+        args = sdpa_arguments(sdpa)
         if not all(isinstance(args.get(k), Node) for k in ("query", "key", "value")):
             continue
         dropped = []

@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule
 
-from graphopt.passes.attention import _arguments
-from graphopt.passes.match import is_call
+from graphopt.passes.match import is_call, sdpa_arguments
 
 # What repeat_kv and the cache's update put between a cache tensor and the attention call that reads it
 _PASS_THROUGH_METHODS = {"expand", "reshape", "view", "contiguous", "clone", "unsqueeze", "repeat_interleave"}
@@ -27,7 +26,7 @@ def detach_cache(gm: GraphModule, report) -> int:
     """Replace each graph output that is an attention call's key or value by its detached view; return how many."""
     read_as_cache = set()
     for sdpa in [n for n in gm.graph.nodes if is_call(n, F.scaled_dot_product_attention)]:
-        args = _arguments(sdpa)
+        args = sdpa_arguments(sdpa)
         stack = [args.get("key"), args.get("value")]
         while stack:
             node = stack.pop()

@@ -39,3 +39,13 @@ def is_scalar(arg) -> bool:
 def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Shapes provably equal, symbolic sizes included, without adding a guard."""
     return len(a.shape) == len(b.shape) and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa_arguments(sdpa: Node) -> dict:
+    """A scaled_dot_product_attention call's arguments by name, positional ones included."""
+    named = dict(zip(_SDPA_ARGS, sdpa.args))
+    named.update(sdpa.kwargs)
+    return named
