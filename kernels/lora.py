@@ -225,19 +225,19 @@ def _block_r(rank):
     return max(16, layout.next_power_of_2(rank))  # tl.dot needs every block dimension ≥ 16
 
 
-def _split_bf16(x_rows):
-    return x_rows.dtype == torch.bfloat16 and layout.platform(x_rows) != "cpu"
+def _split_bf16(t, platform):
+    return t.dtype == torch.bfloat16 and platform != "cpu"
 
 
 def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
     """[rows, rank] fp32 = scale · x_rows · Wᵀ, W given as (tensor, strides of its [rank, cols] view)."""
     n_rows, n_cols = x_rows.shape
-    config = CONFIGS[layout.platform(x_rows)]["project"]
+    platform = layout.platform(x_rows)  # once a call: this runs on the host for every launch
+    config = CONFIGS[platform]["project"]
     out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
     _project_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]),)](
         x_rows, weight, out, n_rows, n_cols, rank, x_rows.stride(0), stride_wr, stride_wk, scale,
-        BLOCK_R=_block_r(rank), PRECISION=PRECISION[layout.platform(x_rows)], SPLIT_BF16=_split_bf16(x_rows),
-        **config)
+        BLOCK_R=_block_r(rank), PRECISION=PRECISION[platform], SPLIT_BF16=_split_bf16(x_rows, platform), **config)
     return out
 
 
@@ -245,13 +245,14 @@ def _project_pair(rows, grad, lora_a, lora_b, scale):
     """(scale · rows · Aᵀ, scale · grad · B), both [rows, rank] fp32, from one launch."""
     n_rows, n_in = rows.shape
     rank = lora_a.shape[0]
-    config = CONFIGS[layout.platform(rows)]["project"]
+    platform = layout.platform(rows)
+    config = CONFIGS[platform]["project"]
     xa, grad_xa = torch.empty((2, n_rows, rank), dtype=torch.float32, device=rows.device)
     _project_pair_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]), 2)](
         rows, lora_a, xa, grad, lora_b, grad_xa, n_rows, n_in, grad.shape[1], rank, rows.stride(0), grad.stride(0),
         lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1), scale,
-        BLOCK_R=_block_r(rank), PRECISION=PRECISION[layout.platform(rows)], SPLIT_BF16_X=_split_bf16(rows),
-        SPLIT_BF16_G=_split_bf16(grad), **config)
+        BLOCK_R=_block_r(rank), PRECISION=PRECISION[platform], SPLIT_BF16_X=_split_bf16(rows, platform),
+        SPLIT_BF16_G=_split_bf16(grad, platform), **config)
     return xa, grad_xa
 
 
@@ -260,9 +261,10 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa):
     both products to fill the GPU) by one launch, whose partial sums a second one adds up."""
     n_rows, n_in = rows.shape
     n_out, rank = grad.shape[1], xa.shape[1]
-    config = CONFIGS[layout.platform(rows)]["reduce_rows"]
+    platform = layout.platform(rows)
+    config = CONFIGS[platform]["reduce_rows"]
     # 4 programs per SM (CU on AMD) fill the GPU: 528 on the H200, as tuned; the interpreter's count is fixed
-    programs = 512 if layout.platform(rows) == "cpu" else 4 * layout.multiprocessors(rows.device)
+    programs = 512 if platform == "cpu" else 4 * layout.multiprocessors(rows.device)
     block_m = config["BLOCK_M"]
     out_blocks = layout.cdiv(n_out, config["BLOCK_N"])
     col_blocks = out_blocks + layout.cdiv(n_in, config["BLOCK_N"])
@@ -273,12 +275,12 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa):
     partial = torch.empty((splits, size), dtype=torch.float32, device=rows.device)  # all written
     _reduce_rows_pair_kernel[(col_blocks, splits)](
         grad, xa, grad_xa, rows, partial, n_rows, n_out, n_in, rank, rows_per_split, grad.stride(0), rows.stride(0),
-        out_blocks, BLOCK_R=_block_r(rank), PRECISION=PRECISION[layout.platform(rows)],
-        SPLIT_BF16_X=_split_bf16(rows), SPLIT_BF16_G=_split_bf16(grad), **config)
+        out_blocks, BLOCK_R=_block_r(rank), PRECISION=PRECISION[platform],
+        SPLIT_BF16_X=_split_bf16(rows, platform), SPLIT_BF16_G=_split_bf16(grad, platform), **config)
     # two tensors, not views of one buffer: a custom op's outputs may not alias each other
     grad_a = torch.empty((rank, n_in), dtype=torch.float32, device=rows.device)
     grad_b = torch.empty((n_out, rank), dtype=torch.float32, device=rows.device)
-    config = CONFIGS[layout.platform(rows)]["sum_splits"]
+    config = CONFIGS[platform]["sum_splits"]
     _sum_splits_kernel[(layout.cdiv(size, config["BLOCK"]),)](partial, grad_b, grad_a, splits, grad_b.numel(), size,
                                                                **config)
     return grad_a, grad_b
@@ -288,14 +290,15 @@ def _add_low_rank(base, xa, weight, stride_wn, stride_wr, scale, out_dtype, roun
     """base + scale · xa · Wᵀ in out_dtype, written over base (a fresh matmul result) when it has that dtype:
     each element is read and written by one program, and the step's peak holds one such buffer, not two."""
     n_rows, n_cols = base.shape
-    config = CONFIGS[layout.platform(base)]["add_low_rank"]
+    platform = layout.platform(base)
+    config = CONFIGS[platform]["add_low_rank"]
     in_place = base.dtype == out_dtype and base.is_contiguous()
     out = base if in_place else torch.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
     grid = (layout.cdiv(n_rows, config["BLOCK_M"]), layout.cdiv(n_cols, config["BLOCK_N"]))
     _add_low_rank_kernel[grid](
         base, xa, weight, out, n_rows, n_cols, xa.shape[1], base.stride(0), stride_wn, stride_wr, scale,
-        ROUND_FIRST=round_first, BLOCK_R=_block_r(xa.shape[1]), PRECISION=PRECISION[layout.platform(base)],
-        SPLIT_BF16=out_dtype == torch.bfloat16 and layout.platform(base) != "cpu", **config)
+        ROUND_FIRST=round_first, BLOCK_R=_block_r(xa.shape[1]), PRECISION=PRECISION[platform],
+        SPLIT_BF16=out_dtype == torch.bfloat16 and platform != "cpu", **config)
     return out
 
 
