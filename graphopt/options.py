@@ -30,8 +30,9 @@ class Options:
     offload: bool = False  # saved activations go to pinned host memory, prefetched back (passes/offload.py)
     max_memory_gib: Optional[float] = None  # with memory_budget="auto": the device memory the step may use
     # Inductor replays each compiled graph as a CUDA graph: one launch instead of one per kernel, for hosts whose
-    # CPU cannot launch the step's ~1,500 kernels as fast as the GPU runs them (benchmarks/RESULTS.md)
-    cuda_graphs: bool = False
+    # CPU cannot launch the step's ~1,500 kernels as fast as the GPU runs them (benchmarks/RESULTS.md).
+    # "auto": where it was measured faster (cuda_graphs_decision)
+    cuda_graphs: object = "auto"
 
 
 def _describe_valid(fusion_names) -> str:
@@ -39,7 +40,7 @@ def _describe_valid(fusion_names) -> str:
             f"fusions={{name: bool}} or a list of names to enable, names: {', '.join(fusion_names)}; "
             f"report=path ending in {', '.join(REPORT_SUFFIXES)}; keep_logits=True|False; cache_grad=True|False; "
             f"memory_budget=a number from 0 to 1, or \"auto\" with max_memory_gib=N; offload=True|False; "
-            f"cuda_graphs=True|False")
+            f"cuda_graphs=\"auto\"|True|False")
 
 
 def parse_options(raw: dict, fusion_names) -> Options:
@@ -83,12 +84,28 @@ def parse_options(raw: dict, fusion_names) -> Options:
     offload = raw.get("offload", False)
     if not isinstance(offload, bool):
         raise OptionError(f"offload must be True or False, got {offload!r}")
-    cuda_graphs = raw.get("cuda_graphs", False)
-    if not isinstance(cuda_graphs, bool):
-        raise OptionError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+    cuda_graphs = raw.get("cuda_graphs", "auto")
+    if not isinstance(cuda_graphs, bool) and cuda_graphs != "auto":
+        raise OptionError(f"cuda_graphs must be \"auto\", True or False, got {cuda_graphs!r}")
     return Options(target=target, fusions=frozenset(enabled), report=report, keep_logits=keep_logits,
                    cache_grad=cache_grad, memory_budget=memory_budget, offload=offload, max_memory_gib=max_memory_gib,
                    cuda_graphs=cuda_graphs)
+
+
+def cuda_graphs_decision(options: Options, target: str, dynamic: bool) -> tuple:
+    """(on, why) for one graph. "auto" turns CUDA graphs on where they were measured faster: on NVIDIA GPUs, for
+    graphs of static shapes (a graph of dynamic shapes would be recorded once per size met), without offload
+    (its copies split the graph at every layer: at the 1B shape on the H200, 55.8k tokens/s with CUDA graphs
+    against 60.7k without, benchmarks/RESULTS.md)."""
+    if options.cuda_graphs != "auto":
+        return options.cuda_graphs, f"cuda_graphs={options.cuda_graphs}"
+    if target != "cuda":
+        return False, f"cuda_graphs=\"auto\", target {target}: CUDA graphs are for NVIDIA GPUs"
+    if dynamic:
+        return False, "cuda_graphs=\"auto\", dynamic shapes: a CUDA graph would be recorded for every size met"
+    if options.offload:
+        return False, "cuda_graphs=\"auto\", offload=True: its copies would split the graphs at every layer, slower"
+    return True, "cuda_graphs=\"auto\": static shapes on an NVIDIA GPU"
 
 
 def _memory_budget(budget, max_memory_gib):

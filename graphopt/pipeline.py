@@ -8,20 +8,23 @@
   4. autograd   aot_autograd traces forward + backward; each graphopt op brings its own backward op
   5. partition  what the backward saves, recomputes or offloads, under memory_budget  passes/recompute.py
                 and its peak memory estimate; the report records it      passes/offload.py, passes/memory.py
+                under CUDA graphs, the gradients and the loss leave the graphs' pool  passes/graph_pool.py
   6. lower      each graphopt op → the target's implementation; the rest → Inductor (or eager)   lowering/
   7. report     everything the stages recorded                        graphopt/report.py
   8. hand back  outputs not computed become LogitsNotMaterialized      graphopt/logits.py
 """
 
+import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.decomposition import select_decomp_table
+from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from graphopt.devices import resolve_target
 from graphopt.logits import hand_back
 from graphopt.lowering import registry as lowering_registry
-from graphopt.options import Options
+from graphopt.options import Options, cuda_graphs_decision
 from graphopt.passes.detach_cache import detach_cache
 from graphopt.passes.drop_logits import drop_logits
 from graphopt.passes.normalize import normalize
@@ -49,6 +52,9 @@ def compile_graph(gm, example_inputs, options: Options):
     # 4–6. autograd → partition → lower. The target's lowering says how each graphopt op will run.
     lowering = lowering_registry.lowering_for(report.target)
     lowering_registry.record(gm, lowering, report)
+    if lowering.inductor:  # and whether Inductor replays the graph as CUDA graphs
+        graphs, why = cuda_graphs_decision(options, report.target, _has_dynamic_shapes(gm, example_inputs))
+        report.cuda_graphs = {"on": graphs, "why": why}
 
     # 7. report: published before Inductor compiles, so a compile error can be read against it
     publish(report, options.report)
@@ -62,22 +68,32 @@ def _autograd_partition_lower(gm, example_inputs, lowering, report, options):
         report.saved_for_backward = decision
         rewrite(report)
 
-    partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
-                              lowering.offload_copies, record_partition)
     if lowering.inductor:
+        # CUDA graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition).
+        # What outlives a step leaves the graphs' memory pool (passes/graph_pool.py): the leaves' gradients.
+        graphs = report.cuda_graphs["on"]
+        leaf_inputs = tuple(isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad for x in example_inputs)
+        partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
+                                  lowering.offload_copies, record_partition, leaf_inputs if graphs else None)
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.
         decompositions = {**select_decomp_table(), **lowering.decompositions}
-        # cuda_graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition).
         # As config_patches, not a config.patch block: they must also reach the backward, compiled at its first run.
         settings = dict(custom_partitioner_fn=partitioner)
-        if options.cuda_graphs:
+        if graphs:
             settings.update({"triton.cudagraphs": True, "graph_partition": True})
         return compile_fx(gm, example_inputs, config_patches=settings, decompositions=decompositions)
 
+    partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
+                              lowering.offload_copies, record_partition)
     return aot_autograd(
         fw_compiler=boxed_nop,
         bw_compiler=boxed_nop,
         partition_fn=partitioner,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
+
+
+def _has_dynamic_shapes(gm, example_inputs) -> bool:
+    values = list(example_inputs) + [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and free_symbols(v)) for v in values)

@@ -39,6 +39,10 @@ class LoweringRecord:
     note: Optional[str] = None
 
 
+CUDA_GRAPHS_ON = ("; the trainable parameters' gradients and the loss are copied out of the graphs' memory "
+                  "pool, other outputs are overwritten by the next step: clone what you keep longer")
+
+
 @dataclass
 class Report:
     graph: int
@@ -51,6 +55,8 @@ class Report:
     # What the forward keeps for the backward, recomputes or offloads, and the estimated peak: set by the
     # partitioner when the forward compiles (docs/report-schema.md)
     saved_for_backward: Optional[dict] = None
+    # {"on": bool, "why": str} where Inductor compiles the graph (graphopt/options.py cuda_graphs_decision)
+    cuda_graphs: Optional[dict] = None
 
     def to_json(self) -> dict:
         return {
@@ -63,6 +69,7 @@ class Report:
             "lowering": [asdict(r) for r in self.lowering],
             "notes": list(self.notes),
             "saved_for_backward": self.saved_for_backward,
+            "cuda_graphs": self.cuda_graphs,
         }
 
     def summary(self) -> dict:
@@ -93,10 +100,17 @@ class Report:
                       + (f" ({_bytes_text(e.get('offloaded_bytes', 0))})" if offload else "")
                       + f" / {_bytes_text(e['recomputed_bytes'])} ({_flops_text(e['recomputed_flops'])})"
                       for layer, e in self.saved_for_backward["per_layer"].items()]
+        if self.cuda_graphs:
+            lines.append(self._cuda_graphs_text())
         if self.notes:
             lines.append("notes")
             lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
+
+    def _cuda_graphs_text(self) -> str:
+        graphs = self.cuda_graphs
+        return (f"CUDA graphs: {'on' if graphs['on'] else 'off'} ({graphs['why']})"
+                + (CUDA_GRAPHS_ON if graphs["on"] else ""))
 
     def _memory_lines(self) -> list:
         saved, lines = self.saved_for_backward, []
@@ -159,6 +173,7 @@ class Report:
             + "<h2>Lowering</h2><table><tr><th>op</th><th>count</th><th>implementation</th><th>note</th></tr>"
             + lowering + "</table>"
             + (f"<p>{html.escape(self._saved_text())}</p>" if self.saved_for_backward else "")
+            + (f"<p>{html.escape(self._cuda_graphs_text())}</p>" if self.cuda_graphs else "")
             + "".join(f"<p>{html.escape(note)}</p>" for note in self.notes) + "</body></html>"
         )
 

@@ -356,6 +356,22 @@ def _reload_fake(host, device, prefetch):
     return torch.empty(host.shape, dtype=host.dtype, device=device)
 
 
+# --- copy_out_of_graph_pool: graph outputs that outlive a step, under CUDA graphs (passes/graph_pool.py) -----
+
+# cudagraph_unsafe: it must run after the CUDA graph, so that its copies are ordinary allocations, not the graph's
+# pool, which the next replay writes over.
+@torch.library.custom_op("graphopt::copy_out_of_graph_pool", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def copy_out_of_graph_pool(xs: list[Tensor]) -> list[Tensor]:
+    """A copy of each tensor, in as few launches as torch's multi-tensor kernels take (×1 is exact: -0.0, inf and
+    NaN stay as they are)."""
+    return list(torch._foreach_mul(xs, 1.0)) if xs else []
+
+
+@copy_out_of_graph_pool.register_fake
+def _copy_out_of_graph_pool_fake(xs):
+    return [torch.empty_like(x) for x in xs]
+
+
 # Forward op → its backward op, for the report and the lowerings.
 BACKWARD_OF = {
     torch.ops.graphopt.rms_norm.default: torch.ops.graphopt.rms_norm_backward.default,

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from graphopt.passes import offload as offload_pass
+from graphopt.passes.graph_pool import copy_out_of_graph_pool
 from graphopt.passes.memory import estimate_peak
 from graphopt.report import is_layer, layer_of, saved_for_backward, size_hint
 
@@ -47,10 +48,14 @@ class Partitioner(CustomPartitionerFn):
     partition_fn without Inductor): torch's min-cut partitioner under the chosen budget, then the offload plan.
     on_partitioned(decision: dict) receives what the report shows."""
 
-    def __init__(self, memory_budget, offload: bool, max_memory_gib, offload_copies: bool, on_partitioned):
+    def __init__(self, memory_budget, offload: bool, max_memory_gib, offload_copies: bool, on_partitioned,
+                 leaf_inputs=None):
         self.memory_budget, self.offload, self.max_memory_gib = memory_budget, offload, max_memory_gib
         self.offload_copies = offload_copies  # the target's lowering moves the data (else: the plan is reported)
         self.on_partitioned = on_partitioned
+        # Under CUDA graphs: one bool per input of the compiled graph, True for a leaf that requires grad, whose
+        # gradient becomes its .grad (passes/graph_pool.py); None without CUDA graphs
+        self.leaf_inputs = leaf_inputs
 
     def __call__(self, joint, joint_inputs, **kwargs):
         if self.memory_budget == "auto":
@@ -65,6 +70,12 @@ class Partitioner(CustomPartitionerFn):
             decision["offload"] = plan.to_json(layers=decision["per_layer"])
             if plan.moves_data:
                 offload_pass.insert_transfers(forward, backward, plan)
+        if self.leaf_inputs is not None:
+            primals = len(joint_inputs[0])
+            # aot_autograd dedupes repeated inputs: then the primals are not the inputs one for one, copy them all
+            leaves = ([i for i, leaf in enumerate(self.leaf_inputs) if leaf] if len(self.leaf_inputs) == primals
+                      else None)
+            copy_out_of_graph_pool(forward, backward, kwargs["num_fwd_outputs"], primals, leaves)
         if self.memory_budget == "auto":
             decision["auto"] = {"max_memory_gib": self.max_memory_gib, "reserve_gib": UNSEEN_RESERVE_GIB,
                                 "offload": offload,
@@ -121,7 +132,7 @@ class Partitioner(CustomPartitionerFn):
 
     def __getstate__(self):  # Inductor pickles its config for cache keys: the settings, not the report callback
         return {"memory_budget": self.memory_budget, "offload": self.offload, "max_memory_gib": self.max_memory_gib,
-                "offload_copies": self.offload_copies}
+                "offload_copies": self.offload_copies, "leaf_inputs": self.leaf_inputs}
 
 
 def save_layer_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> None:

@@ -1,4 +1,5 @@
-"""Shared test setup, kept minimal: the Triton interpreter for CPU-only runs and one hypothesis profile."""
+"""Shared test setup, kept minimal: the Triton interpreter for CPU-only runs, one hypothesis profile, and a fresh
+Dynamo for tests that compile under their own options."""
 
 import os
 
@@ -10,6 +11,7 @@ import torch  # does not import triton
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -20,3 +22,11 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after: each test compiles from scratch under its own options."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -20,6 +20,7 @@ def test_defaults():
     opts = parse_options({}, NAMES)
     assert opts == Options(target="auto", fusions=frozenset(NAMES), report=None)
     assert isinstance(opts.fusions, frozenset)
+    assert opts.cuda_graphs == "auto"
 
 
 def test_defaults_enable_every_registered_fusion():
@@ -139,13 +140,6 @@ def test_requested_target_does_not_match_cpu_tensors(requested):
 
 # --- through torch.compile ------------------------------------------------------------------------------
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _first_call_error(**compile_kwargs):
     model = torch.compile(torch.nn.Linear(4, 4), backend="graphopt", **compile_kwargs)
     with pytest.raises(Exception) as info:  # noqa: PT011  (Dynamo wraps the backend's error)
@@ -246,6 +240,6 @@ def test_cuda_graphs_reach_inductor(on, fresh_dynamo):
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])
-def test_cuda_graphs_must_be_a_bool(value):
-    with pytest.raises(OptionError, match="cuda_graphs must be True or False"):
+def test_cuda_graphs_must_be_auto_or_a_bool(value):
+    with pytest.raises(OptionError, match='cuda_graphs must be "auto", True or False'):
         parse_options({"cuda_graphs": value}, NAMES)

@@ -31,6 +31,7 @@ def sample_report() -> Report:
         LoweringRecord("graphopt.rms_norm_backward.default", 2, "Triton <backward>",
                        note="in the backward graph, when gradients are needed"),
     ]
+    r.cuda_graphs = {"on": True, "why": 'cuda_graphs="auto": static shapes on an NVIDIA GPU'}
     return r
 
 
@@ -40,7 +41,8 @@ def test_to_json_round_trips_through_json():
     data = sample_report().to_json()
     assert json.loads(json.dumps(data)) == data
     assert set(data) == {"schema_version", "graph", "target", "nodes_captured", "fusions", "misses", "lowering",
-                         "notes", "saved_for_backward"}
+                         "notes", "saved_for_backward", "cuda_graphs"}
+    assert data["cuda_graphs"] == {"on": True, "why": 'cuda_graphs="auto": static shapes on an NVIDIA GPU'}
     assert data["schema_version"] == SCHEMA_VERSION
     assert (data["graph"], data["target"], data["nodes_captured"]) == (3, "cuda", 412)
     assert [f["module"] for f in data["fusions"]] == [LAYER0, "base_model.model.model.norm"]
@@ -79,6 +81,8 @@ def test_to_text():
     assert TRICKY in text and "why: epsilon is not a constant & <x>" in text  # plain text: not escaped
     assert "graphopt.rms_norm.default ×2 → Triton kernel kernels/rmsnorm.py:_rms_norm_forward_kernel" in text
     assert "(in the backward graph, when gradients are needed)" in text
+    assert ('CUDA graphs: on (cuda_graphs="auto": static shapes on an NVIDIA GPU); the trainable parameters\' '
+            "gradients and the loss are copied out") in text
 
 
 def test_to_html_escapes():
@@ -91,6 +95,7 @@ def test_to_html_escapes():
     # The raw strings never appear unescaped.
     assert "<post_attention>" not in page and "<x>" not in page and "<backward>" not in page
     assert "<h2>Fusions (2)</h2>" in page and "<h2>Misses (1)</h2>" in page
+    assert "<p>CUDA graphs: on (cuda_graphs=&quot;auto&quot;: static shapes" in page
 
 
 def test_to_html_escapes_target():

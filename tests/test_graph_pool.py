@@ -1,0 +1,114 @@
+"""CUDA graphs by default (cuda_graphs="auto") and what outlives a step under them (passes/graph_pool.py): the
+trainable parameters' gradients and the loss are copied out of the graphs' memory pool, so gradient accumulation
+and a kept loss read what they would read without CUDA graphs."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.cudagraph_trees import get_manager
+
+import graphopt
+from graphopt.options import Options, cuda_graphs_decision
+from graphopt.passes import recompute
+from graphs import relative_error
+from models import tiny_lora_model
+
+
+@pytest.mark.parametrize("target, dynamic, offload, on", [
+    ("cuda", False, False, True),
+    ("cuda", True, False, False),
+    ("cuda", False, True, False),
+    ("cpu", False, False, False),
+    ("hip", False, False, False),
+    ("mps", False, False, False),
+])
+def test_auto_turns_cuda_graphs_on_for_static_graphs_on_nvidia_without_offload(target, dynamic, offload, on):
+    got, why = cuda_graphs_decision(Options(offload=offload), target, dynamic)
+    assert got is on and why.startswith('cuda_graphs="auto"')
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_an_explicit_choice_is_kept(value):
+    assert cuda_graphs_decision(Options(cuda_graphs=value, offload=True), "cpu", True) == (value, f"cuda_graphs={value}")
+
+
+def accumulated(forward, model, micro_batches, steps=2):
+    """Per step: zero the gradients, forward and backward every micro-batch (gradients add up in .grad), keep the
+    loss tensors; return the last step's gradients and every loss, read after all steps ran."""
+    losses = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        for ids in micro_batches:
+            loss = forward(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return [loss.item() for loss in losses], grads
+
+
+def test_gradients_and_loss_are_routed_through_the_copy(fresh_dynamo, monkeypatch):
+    """cuda_graphs=True on the CPU: Inductor records no CUDA graph there, but the copies are inserted as on a GPU:
+    the loss in the forward, every trainable parameter's gradient in the backward, and nothing else; and gradient
+    accumulation over two micro-batches equals eager's."""
+    routed = []
+    copy = recompute.copy_out_of_graph_pool
+    monkeypatch.setattr(recompute, "copy_out_of_graph_pool", lambda *args: routed.append(copy(*args)) or routed[-1])
+    model = tiny_lora_model("llama")
+    batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    expected_losses, expected = accumulated(model, model, batches)
+    compiled = torch.compile(model, backend="graphopt", options={"cuda_graphs": True})
+    losses, grads = accumulated(compiled, model, batches)
+
+    trainable = sum(p.requires_grad for p in model.parameters())
+    assert routed == [1 + trainable]
+    assert graphopt.last_report().cuda_graphs == {"on": True, "why": "cuda_graphs=True"}
+    assert all(relative_error(torch.tensor(a), torch.tensor(b)) <= 1e-5 for a, b in zip(losses, expected_losses))
+    assert all(relative_error(grads[n], expected[n]) <= 1e-5 for n in expected)
+
+
+def test_without_cuda_graphs_nothing_is_copied(fresh_dynamo, monkeypatch):
+    monkeypatch.setattr(recompute, "copy_out_of_graph_pool", lambda *args: pytest.fail("copied without CUDA graphs"))
+    model = tiny_lora_model("llama")
+    ids = torch.randint(0, 128, (2, 16))
+    torch.compile(model, backend="graphopt")(input_ids=ids, labels=ids).loss.backward()
+    assert graphopt.last_report().cuda_graphs["on"] is False
+
+
+def test_the_copy_is_exact_and_fresh():
+    xs = [torch.tensor([-0.0, float("inf"), float("nan"), 1e-45]), torch.randn(3, 4).t(),
+          torch.ones((), dtype=torch.bfloat16)]
+    ys = torch.ops.graphopt.copy_out_of_graph_pool(xs)
+    for x, y in zip(xs, ys):
+        assert y.dtype == x.dtype and y.shape == x.shape and y.data_ptr() != x.data_ptr()
+        assert torch.equal(torch.signbit(x), torch.signbit(y)) and torch.equal(x.isnan(), y.isnan())
+        assert torch.equal(x.nan_to_num(), y.nan_to_num())
+    assert torch.Tag.cudagraph_unsafe in torch.ops.graphopt.copy_out_of_graph_pool.default.tags
+    torch.library.opcheck(torch.ops.graphopt.copy_out_of_graph_pool.default, (xs[1:],))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_gpu_the_default_replays_cuda_graphs_and_accumulates_gradients_right(dtype, fresh_dynamo):
+    """The default options on a GPU: CUDA graphs recorded and replayed (none skipped); two steps of two
+    micro-batches each, the losses read after both steps, equal to the same compile without CUDA graphs (the same
+    kernels: to rounding), and in fp32 to eager."""
+    model = tiny_lora_model("llama", dtype).cuda()
+    batches = [torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(s)).cuda() for s in (1, 2)]
+    without = torch.compile(model, backend="graphopt", options={"cuda_graphs": False})
+    expected_losses, expected = accumulated(without, model, batches)
+    torch._dynamo.reset()
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    compiled = torch.compile(model, backend="graphopt")
+    accumulated(compiled, model, batches)  # warm-up and recording
+    losses, grads = accumulated(compiled, model, batches)  # replays
+    assert graphopt.last_report().cuda_graphs["on"] is True
+    assert counters["inductor"]["cudagraph_skips"] == skips_before
+    assert list(get_manager(torch.cuda.current_device(), create_if_none_exists=False).get_roots())
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-3
+    assert losses == pytest.approx(expected_losses, rel=tolerance)
+    errors = {n: relative_error(grads[n].float(), expected[n].float()) for n in expected}
+    assert max(errors.values()) <= tolerance, sorted(errors.items(), key=lambda e: -e[1])[:3]
+    if dtype == torch.float32:
+        eager_losses, eager = accumulated(model, model, batches)
+        assert losses == pytest.approx(eager_losses, rel=1e-5)
+        assert all(relative_error(grads[n], eager[n]) <= 1e-5 for n in eager)
