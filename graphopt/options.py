@@ -12,8 +12,9 @@ class OptionError(ValueError):
     """A bad option passed to the graphopt backend."""
 
 
-# The default trades a little speed for much memory: at the Llama-3.2-1B shape on the H200, 1 trains at 74.6k
-# tokens/s in 9.32 GiB, 0.5 at 65.4k in 6.40 GiB, 0.75 at 68.7k in 7.84 GiB (benchmarks/RESULTS.md).
+# The default trades a little speed for much memory: at the Llama-3.2-1B shape on the H200 under CUDA graphs, 0.6
+# trains at 69.0k tokens/s in 7.07 GiB reserved, 1.34× inductor in 1.94× Unsloth's memory; at Llama-3-8B's it
+# recomputes more than that GPU needs (13.2k against budget 1's 15.7k, benchmarks/RESULTS.md, seventh session).
 DEFAULT_MEMORY_BUDGET = 0.6
 
 
