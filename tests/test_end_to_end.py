@@ -53,8 +53,13 @@ def test_lora_model_matches_eager(arch, device, dtype):
     gated = "geglu" if arch == "gemma" else "swiglu"
     # norms: 2 per layer + final; one rope (q and k together) per attention layer; every adapted linear (7 per
     # layer, 4 in Phi-3's fused qkv and gate_up); the lm_head + loss
-    assert report.summary() == {"rms_norm": rms_norm_modules(model), "rope": 2, gated: 2,
-                                "lora": len(adapted_layers(model)), "linear_cross_entropy": 1}
+    summary = report.summary()
+    # attention is rewritten only where transformers builds the causal mask and repeats k/v itself (5.17 under
+    # torch 2.11, the GPU machine's; 5.24 calls SDPA's is_causal and enable_gqa): then once per layer
+    attention = {pattern: summary.pop(pattern) for pattern in list(summary) if pattern.startswith("attention_")}
+    assert all(count == 2 for count in attention.values()), attention
+    assert summary == {"rms_norm": rms_norm_modules(model), "rope": 2, gated: 2,
+                       "lora": len(adapted_layers(model)), "linear_cross_entropy": 1}
     assert rms_norm_modules(model) == 5
     assert report.misses == []
     assert report.target == device
