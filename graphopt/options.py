@@ -26,7 +26,8 @@ class Options:
     keep_logits: bool = False  # materialize the logits even when the loss is fused (training with labels)
     cache_grad: bool = False  # the returned KV cache stays differentiable (passes/detach_cache.py)
     # 1: save what the fastest plan saves; 0: save each decoder layer's input only, recompute the rest layer by
-    # layer; "auto": the fastest plan whose estimated peak fits max_memory_gib (passes/recompute.py)
+    # layer; "auto": the fastest plan whose estimated peak fits max_memory_gib, or without it a multiple of the
+    # weights the graph reads (passes/recompute.py)
     memory_budget: object = DEFAULT_MEMORY_BUDGET
     offload: bool = False  # saved activations go to pinned host memory, prefetched back (passes/offload.py)
     max_memory_gib: Optional[float] = None  # with memory_budget="auto": the device memory the step may use
@@ -40,7 +41,7 @@ def _describe_valid(fusion_names) -> str:
     return (f"valid options: target={'|'.join(TARGETS)}; "
             f"fusions={{name: bool}} or a list of names to enable, names: {', '.join(fusion_names)}; "
             f"report=path ending in {', '.join(REPORT_SUFFIXES)}; keep_logits=True|False; cache_grad=True|False; "
-            f"memory_budget=a number from 0 to 1, or \"auto\" with max_memory_gib=N; offload=True|False; "
+            f"memory_budget=a number from 0 to 1, or \"auto\" (optionally with max_memory_gib=N); offload=True|False; "
             f"cuda_graphs=\"auto\"|True|False")
 
 
@@ -111,13 +112,15 @@ def cuda_graphs_decision(options: Options, target: str, dynamic: bool) -> tuple:
 
 def _memory_budget(budget, max_memory_gib):
     if budget == "auto":
+        if max_memory_gib is None:  # sized to the weights the graph reads (passes/recompute.py WEIGHTS_MULTIPLE)
+            return "auto", None
         if isinstance(max_memory_gib, bool) or not isinstance(max_memory_gib, (int, float)) or max_memory_gib <= 0:
-            raise OptionError(f"memory_budget=\"auto\" needs max_memory_gib=N, the device memory in GiB the "
-                              f"training step may use (e.g. 20), got max_memory_gib={max_memory_gib!r}")
+            raise OptionError(f"max_memory_gib must be a positive number of GiB, the device memory the training "
+                              f"step may use (e.g. 20), got max_memory_gib={max_memory_gib!r}")
         return "auto", float(max_memory_gib)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
         raise OptionError(f"memory_budget must be a number from 0 (recompute the most) to 1 (the fastest plan), "
-                          f"or \"auto\" with max_memory_gib, got {budget!r}")
+                          f"or \"auto\", got {budget!r}")
     if max_memory_gib is not None:
         raise OptionError(f"max_memory_gib={max_memory_gib!r} is used only with memory_budget=\"auto\"; "
                           f"with memory_budget={budget!r} leave it out")

@@ -68,13 +68,16 @@ def _autograd_partition_lower(gm, example_inputs, lowering, report, options):
         report.saved_for_backward = decision
         rewrite(report)
 
+    # CUDA graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition).
+    # What outlives a step leaves the graphs' memory pool (passes/graph_pool.py): the leaves' gradients.
+    graphs = bool(report.cuda_graphs and report.cuda_graphs["on"])
+    leaf_inputs = tuple(isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad for x in example_inputs)
+    # memory_budget="auto" without max_memory_gib sizes the plan to the weights the graph reads
+    weights_bytes = sum(x.nbytes for x in example_inputs if isinstance(x, torch.nn.Parameter))
+    partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
+                              lowering.offload_copies, record_partition, leaf_inputs if graphs else None,
+                              weights_bytes)
     if lowering.inductor:
-        # CUDA graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition).
-        # What outlives a step leaves the graphs' memory pool (passes/graph_pool.py): the leaves' gradients.
-        graphs = report.cuda_graphs["on"]
-        leaf_inputs = tuple(isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad for x in example_inputs)
-        partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
-                                  lowering.offload_copies, record_partition, leaf_inputs if graphs else None)
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.
         decompositions = {**select_decomp_table(), **lowering.decompositions}
@@ -84,8 +87,6 @@ def _autograd_partition_lower(gm, example_inputs, lowering, report, options):
             settings.update({"triton.cudagraphs": True, "graph_partition": True})
         return compile_fx(gm, example_inputs, config_patches=settings, decompositions=decompositions)
 
-    partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
-                              lowering.offload_copies, record_partition)
     return aot_autograd(
         fw_compiler=boxed_nop,
         bw_compiler=boxed_nop,

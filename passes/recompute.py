@@ -11,7 +11,8 @@ this module adds:
   (save_layer_boundaries), so 0 means per-layer checkpointing: each layer's backward recomputes that layer's
   forward only, and what is saved is the residual stream between layers, which offload=True then moves to host
   memory. The fused loss is never recomputed (never_recompute_the_loss).
-- memory_budget="auto" with max_memory_gib: the fastest plan whose estimated peak fits (Partitioner._choose).
+- memory_budget="auto": the fastest plan whose estimated peak fits max_memory_gib, or without it a multiple of
+  the weights the graph reads (Partitioner._choose, WEIGHTS_MULTIPLE).
 - graphopt ops as candidates with a cost. torch bans recomputing any op it does not know; here every graphopt op
   is a candidate, priced by the FLOP formulas below (the knapsack's "flops" estimator): the fused LoRA linear and
   the fused loss cost their matmuls, so they are recomputed last; RMSNorm, RoPE and the gated activation have no
@@ -40,6 +41,14 @@ GIB = 2**30
 # chunk, the LoRA kernels' partial sums), cuBLAS workspaces, the optimizer's state, the allocator's rounding.
 # Measured peak minus estimate on the H200: 0.56–1.15 GiB at the 1B and 8B shapes (benchmarks/RESULTS.md).
 UNSEEN_RESERVE_GIB = 1.25
+# memory_budget="auto" without max_memory_gib: the estimated peak may hold this many times the bytes of the
+# parameters the graph reads. A fixed budget cannot serve every size: at the Llama-3.2-1B shape the activations
+# dominate the peak, and 2× Unsloth's memory (7.30 GiB) is budget ≈0.6 (estimate 6,722 MiB, 2.80× the 2,400 MiB of
+# weights and adapters); at Llama-3-8B's the weights do, and budget 1 (estimate 27,528 MiB, 1.78× its 15,476 MiB)
+# is 1.19× faster than 0.6 at 1.24× the memory (H200, benchmarks/RESULTS.md, seventh session). 2.75× takes budget
+# 1 where the saved activations are at most about the weights' size, and keeps ~0.5 GiB under 2× Unsloth at 1B
+# for what the estimate does not show (measured − estimated there: +0.5 GiB under CUDA graphs).
+WEIGHTS_MULTIPLE = 2.75
 AUTO_STEPS = 4  # bisection steps of memory_budget="auto" between 0 and 1: a budget within 1/16 of the best
 
 
@@ -49,8 +58,9 @@ class Partitioner(CustomPartitionerFn):
     on_partitioned(decision: dict) receives what the report shows."""
 
     def __init__(self, memory_budget, offload: bool, max_memory_gib, offload_copies: bool, on_partitioned,
-                 leaf_inputs=None):
+                 leaf_inputs=None, weights_bytes=0):
         self.memory_budget, self.offload, self.max_memory_gib = memory_budget, offload, max_memory_gib
+        self.weights_bytes = weights_bytes  # of the parameters among the graph's inputs: "auto" without a limit
         self.offload_copies = offload_copies  # the target's lowering moves the data (else: the plan is reported)
         self.on_partitioned = on_partitioned
         # Under CUDA graphs: one bool per input of the compiled graph, True for a leaf that requires grad, whose
@@ -77,9 +87,12 @@ class Partitioner(CustomPartitionerFn):
                       else None)
             copy_out_of_graph_pool(forward, backward, kwargs["num_fwd_outputs"], primals, leaves)
         if self.memory_budget == "auto":
-            decision["auto"] = {"max_memory_gib": self.max_memory_gib, "reserve_gib": UNSEEN_RESERVE_GIB,
-                                "offload": offload,
-                                "fits": size_hint(estimate.peak) <= (self.max_memory_gib - UNSEEN_RESERVE_GIB) * GIB,
+            decision["auto"] = {"max_memory_gib": self.max_memory_gib,
+                                "reserve_gib": UNSEEN_RESERVE_GIB if self.max_memory_gib is not None else None,
+                                "weights_bytes": self.weights_bytes if self.max_memory_gib is None else None,
+                                "weights_multiple": WEIGHTS_MULTIPLE if self.max_memory_gib is None else None,
+                                "limit_bytes": int(self._limit()), "offload": offload,
+                                "fits": size_hint(estimate.peak) <= self._limit(),
                                 "tried": [{"memory_budget": b, "offload": o, "estimated_peak_bytes": e}
                                           for b, o, e in tried]}
         self.on_partitioned(decision)
@@ -99,12 +112,19 @@ class Partitioner(CustomPartitionerFn):
         estimate = estimate_peak(*graphs, offloaded=plan.offloaded if plan else ())
         return budget, offload, graphs, plan, estimate
 
+    def _limit(self):
+        """The bytes an "auto" plan's estimated peak must fit: max_memory_gib less the reserve for what the graphs
+        do not show (UNSEEN_RESERVE_GIB), or without max_memory_gib WEIGHTS_MULTIPLE × the parameters' bytes."""
+        if self.max_memory_gib is None:
+            return WEIGHTS_MULTIPLE * self.weights_bytes
+        return (self.max_memory_gib - UNSEEN_RESERVE_GIB) * GIB
+
     def _choose(self, joint, joint_inputs, kwargs):
-        """memory_budget="auto": the fastest plan whose estimated peak fits max_memory_gib less the reserve for
-        what the graphs do not show (UNSEEN_RESERVE_GIB). The fastest is
-        budget 1; then the largest budget that fits (bisection); then budget 0 with offload. Nothing fits:
-        budget 0 with offload, the leanest there is, and the report says by how much it misses."""
-        limit, tried = (self.max_memory_gib - UNSEEN_RESERVE_GIB) * GIB, []
+        """memory_budget="auto": the fastest plan whose estimated peak fits the limit (_limit). The fastest is
+        budget 1; then the largest budget that fits (bisection); then, under max_memory_gib, budget 0 with offload.
+        Nothing fits: the leanest plan there is (without max_memory_gib, budget 0 on the device: offload is only
+        taken when asked for by a limit), and the report says by how much it misses."""
+        limit, tried = self._limit(), []
 
         def attempt(budget, offload=False):
             plan = self._plan(joint, joint_inputs, kwargs, budget, offload)
@@ -116,7 +136,7 @@ class Partitioner(CustomPartitionerFn):
             return best, tried
         lowest, fits = attempt(0.0)
         if not fits:
-            return attempt(0.0, offload=True)[0], tried
+            return (attempt(0.0, offload=True)[0] if self.max_memory_gib is not None else lowest), tried
         best, low, high = lowest, 0.0, 1.0
         for _ in range(AUTO_STEPS):
             middle = (low + high) / 2
@@ -132,7 +152,8 @@ class Partitioner(CustomPartitionerFn):
 
     def __getstate__(self):  # Inductor pickles its config for cache keys: the settings, not the report callback
         return {"memory_budget": self.memory_budget, "offload": self.offload, "max_memory_gib": self.max_memory_gib,
-                "offload_copies": self.offload_copies, "leaf_inputs": self.leaf_inputs}
+                "offload_copies": self.offload_copies, "leaf_inputs": self.leaf_inputs,
+                "weights_bytes": self.weights_bytes}
 
 
 def save_layer_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> None:

@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.cudagraph_trees import get_manager
 
 import graphopt
+from graphopt import pipeline
 from graphopt.options import Options, cuda_graphs_decision
 from graphopt.passes import recompute
 from graphs import relative_error
@@ -30,6 +31,20 @@ def test_auto_turns_cuda_graphs_on_for_static_graphs_on_nvidia_without_offload(t
 @pytest.mark.parametrize("value", [True, False])
 def test_an_explicit_choice_is_kept(value):
     assert cuda_graphs_decision(Options(cuda_graphs=value, offload=True), "cpu", True) == (value, f"cuda_graphs={value}")
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_decision_sees_whether_the_graph_has_dynamic_shapes(dynamic, fresh_dynamo, monkeypatch):
+    seen = []
+
+    def decide(options, target, is_dynamic):
+        seen.append(is_dynamic)
+        return cuda_graphs_decision(options, target, is_dynamic)
+
+    monkeypatch.setattr(pipeline, "cuda_graphs_decision", decide)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    torch.compile(model, backend="graphopt", dynamic=dynamic)(torch.randn(3, 8)).sum().backward()
+    assert seen == [dynamic]
 
 
 def accumulated(forward, model, micro_batches, steps=2):

@@ -181,16 +181,17 @@ def test_memory_budget_outside_zero_to_one_is_an_error(budget):
         parse_options({"memory_budget": budget}, NAMES)
 
 
-def test_auto_memory_budget_takes_the_memory_limit():
+def test_auto_memory_budget_takes_the_memory_limit_or_none():
     options = parse_options({"memory_budget": "auto", "max_memory_gib": 20}, NAMES)
     assert (options.memory_budget, options.max_memory_gib) == ("auto", 20.0)
+    options = parse_options({"memory_budget": "auto"}, NAMES)  # sized to the weights
+    assert (options.memory_budget, options.max_memory_gib) == ("auto", None)
 
 
-@pytest.mark.parametrize("limit", [None, 0, -3, "20", True])
-def test_auto_memory_budget_without_a_valid_limit_is_an_error(limit):
-    raw = {"memory_budget": "auto"} if limit is None else {"memory_budget": "auto", "max_memory_gib": limit}
-    with pytest.raises(OptionError, match='memory_budget="auto" needs max_memory_gib=N'):
-        parse_options(raw, NAMES)
+@pytest.mark.parametrize("limit", [0, -3, "20", True])
+def test_auto_memory_budget_with_an_invalid_limit_is_an_error(limit):
+    with pytest.raises(OptionError, match="max_memory_gib must be a positive number of GiB"):
+        parse_options({"memory_budget": "auto", "max_memory_gib": limit}, NAMES)
 
 
 def test_memory_limit_without_auto_is_an_error():

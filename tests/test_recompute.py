@@ -144,6 +144,31 @@ def test_auto_picks_the_fastest_plan_its_estimate_fits(monkeypatch):
     assert "the leanest plan, and it does not fit" in graphopt.last_report().to_text()
 
 
+def test_auto_without_a_limit_sizes_the_plan_to_the_weights(monkeypatch):
+    """memory_budget="auto" alone: the estimate must fit WEIGHTS_MULTIPLE × the bytes of the parameters the graph
+    reads. The multiple is set around the tiny model's estimates: budget 1 when it fits, else the largest that
+    fits; nothing fits: budget 0 on the device, never offload (asked for by no one)."""
+    model = tiny_lora_model("llama", num_hidden_layers=6)
+    weights = sum(p.nbytes for p in model.parameters())
+    ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(0))
+    peaks = {b: loss_grads_and_saved(model, ids, b)[2]["estimate"]["estimated_peak_bytes"] for b in (1, 0)}
+
+    def auto(multiple):
+        monkeypatch.setattr(recompute, "WEIGHTS_MULTIPLE", multiple)
+        return loss_grads_and_saved(model, ids, "auto")[2]
+
+    roomy = auto((peaks[1] + 1) / weights)
+    assert roomy["memory_budget"] == 1 and roomy["auto"]["fits"]
+    assert roomy["auto"]["weights_bytes"] == weights and roomy["auto"]["max_memory_gib"] is None
+    between = auto((peaks[0] + peaks[1]) / 2 / weights)
+    assert 0 <= between["memory_budget"] < 1 and between["auto"]["fits"]
+    assert between["estimate"]["estimated_peak_bytes"] <= between["auto"]["limit_bytes"]
+    too_small = auto(1e-6)
+    assert too_small["memory_budget"] == 0 and too_small["offload"] is None and not too_small["auto"]["fits"]
+    assert [t["offload"] for t in too_small["auto"]["tried"]] == [False, False]
+    assert "× the" in graphopt.last_report().to_text() and "of parameters the graph reads" in graphopt.last_report().to_text()
+
+
 def test_the_estimate_counts_what_inductor_writes_to_memory():
     """A chain of pointwise ops ending in a reduction is one fused kernel: only the sum is written. A matmul
     reading a pointwise result makes it real."""
