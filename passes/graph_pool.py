@@ -30,7 +30,9 @@ def copy_out_of_graph_pool(forward: GraphModule, backward: GraphModule, num_fwd_
     scalars = [i for i in user_outputs if _is_scalar(_outputs(forward)[i])]
     grads = _outputs(backward)
     if len(grads) != num_primals:
-        raise AssertionError(f"the backward returns {len(grads)} values for {num_primals} inputs")
+        raise AssertionError(f"graphopt: the backward returns {len(grads)} values for {num_primals} inputs, so "
+                             f"the parameters' gradients cannot be told apart to copy them out of the CUDA graphs' "
+                             f"pool; compile with options={{'cuda_graphs': False}} and report this graph")
     wanted = set(range(num_primals)) if leaf_inputs is None else set(leaf_inputs)
     copied = [i for i in sorted(wanted) if isinstance(grads[i], torch.fx.Node)]
     return _route(forward, scalars) + _route(backward, copied)
