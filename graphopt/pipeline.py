@@ -53,7 +53,10 @@ def compile_graph(gm, example_inputs, options: Options):
     lowering = lowering_registry.lowering_for(report.target)
     lowering_registry.record(gm, lowering, report)
     if lowering.inductor:  # and whether Inductor replays the graph as CUDA graphs
-        graphs, why = cuda_graphs_decision(options, report.target, _has_dynamic_shapes(gm, example_inputs))
+        training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                                   for x in example_inputs)
+        graphs, why = cuda_graphs_decision(options, report.target, _has_dynamic_shapes(gm, example_inputs),
+                                           training)
         report.cuda_graphs = {"on": graphs, "why": why}
 
     # 7. report: published before Inductor compiles, so a compile error can be read against it

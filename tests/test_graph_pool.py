@@ -15,36 +15,41 @@ from graphs import relative_error
 from models import tiny_lora_model
 
 
-@pytest.mark.parametrize("target, dynamic, offload, on", [
-    ("cuda", False, False, True),
-    ("cuda", True, False, False),
-    ("cuda", False, True, False),
-    ("cpu", False, False, False),
-    ("hip", False, False, False),
-    ("mps", False, False, False),
+@pytest.mark.parametrize("target, dynamic, offload, training, on", [
+    ("cuda", False, False, True, True),
+    ("cuda", True, False, True, False),
+    ("cuda", False, True, True, False),
+    ("cuda", False, False, False, False),
+    ("cpu", False, False, True, False),
+    ("hip", False, False, True, False),
+    ("mps", False, False, True, False),
 ])
-def test_auto_turns_cuda_graphs_on_for_static_graphs_on_nvidia_without_offload(target, dynamic, offload, on):
-    got, why = cuda_graphs_decision(Options(offload=offload), target, dynamic)
+def test_auto_turns_cuda_graphs_on_for_static_training_graphs_on_nvidia_without_offload(target, dynamic, offload,
+                                                                                          training, on):
+    got, why = cuda_graphs_decision(Options(offload=offload), target, dynamic, training)
     assert got is on and why.startswith('cuda_graphs="auto"')
 
 
 @pytest.mark.parametrize("value", [True, False])
 def test_an_explicit_choice_is_kept(value):
-    assert cuda_graphs_decision(Options(cuda_graphs=value, offload=True), "cpu", True) == (value, f"cuda_graphs={value}")
+    assert cuda_graphs_decision(Options(cuda_graphs=value, offload=True), "cpu", True, False) == \
+        (value, f"cuda_graphs={value}")
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_the_decision_sees_whether_the_graph_has_dynamic_shapes(dynamic, fresh_dynamo, monkeypatch):
+@pytest.mark.parametrize("training", [False, True])
+def test_the_decision_sees_dynamic_shapes_and_whether_the_graph_trains(dynamic, training, fresh_dynamo, monkeypatch):
     seen = []
 
-    def decide(options, target, is_dynamic):
-        seen.append(is_dynamic)
-        return cuda_graphs_decision(options, target, is_dynamic)
+    def decide(options, target, is_dynamic, is_training):
+        seen.append((is_dynamic, is_training))
+        return cuda_graphs_decision(options, target, is_dynamic, is_training)
 
     monkeypatch.setattr(pipeline, "cuda_graphs_decision", decide)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
-    torch.compile(model, backend="graphopt", dynamic=dynamic)(torch.randn(3, 8)).sum().backward()
-    assert seen == [dynamic]
+    with torch.set_grad_enabled(training):
+        torch.compile(model, backend="graphopt", dynamic=dynamic)(torch.randn(3, 8))
+    assert seen == [(dynamic, training)]
 
 
 def accumulated(forward, model, micro_batches, steps=2):
