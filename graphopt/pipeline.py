@@ -55,8 +55,7 @@ def compile_graph(gm, example_inputs, options: Options):
     if lowering.inductor:  # and whether Inductor replays the graph as CUDA graphs
         training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                    for x in example_inputs)
-        graphs, why = cuda_graphs_decision(options, report.target, _has_dynamic_shapes(gm, example_inputs),
-                                           training)
+        graphs, why = cuda_graphs_decision(options, lowering, _has_dynamic_shapes(gm, example_inputs), training)
         report.cuda_graphs = {"on": graphs, "why": why}
 
     # 7. report: published before Inductor compiles, so a compile error can be read against it
@@ -74,12 +73,12 @@ def _autograd_partition_lower(gm, example_inputs, lowering, report, options):
     # CUDA graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition).
     # What outlives a step leaves the graphs' memory pool (passes/graph_pool.py): the leaves' gradients.
     graphs = bool(report.cuda_graphs and report.cuda_graphs["on"])
-    leaf_inputs = tuple(isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad for x in example_inputs)
+    leaf_inputs = (tuple(isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad for x in example_inputs)
+                   if graphs else None)
     # memory_budget="auto" without max_memory_gib sizes the plan to the weights the graph reads
     weights_bytes = sum(x.nbytes for x in example_inputs if isinstance(x, torch.nn.Parameter))
     partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
-                              lowering.offload_copies, record_partition, leaf_inputs if graphs else None,
-                              weights_bytes)
+                              lowering.offload_copies, record_partition, leaf_inputs, weights_bytes)
     if lowering.inductor:
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.

@@ -29,6 +29,8 @@ class Lowering:
     # offload=True copies saved activations to host memory (lowering/transfer.py); on the CPU target they are
     # there already, so the plan is only reported
     offload_copies: bool = True
+    # cuda_graphs="auto" may replay the graphs as CUDA graphs: measured faster on NVIDIA only (the H200)
+    cuda_graphs: bool = False
 
 
 def lowering_for(target: str) -> Lowering:
@@ -37,7 +39,7 @@ def lowering_for(target: str) -> Lowering:
                                             "(kernels/layout.py), compiled for gfx942, gfx90a and gfx1100 in CI; "
                                             "not yet measured on AMD GPUs")
         return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
-                        implementations=dict(cuda.IMPLEMENTATIONS), note=note)
+                        implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda")
     if target == "cpu":
         return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
                         implementations=dict(cpu.IMPLEMENTATIONS), offload_copies=False)

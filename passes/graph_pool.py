@@ -26,8 +26,8 @@ def copy_out_of_graph_pool(forward: GraphModule, backward: GraphModule, num_fwd_
     """Insert the copies into the forward (its scalar user outputs) and the backward (the gradients of the inputs
     whose indices are in leaf_inputs, or of every input when the primals are not the compiled graph's inputs one
     for one); return how many tensors are copied."""
-    user_outputs = range(num_fwd_outputs)
-    scalars = [i for i in user_outputs if _is_scalar(_outputs(forward)[i])]
+    user_outputs = _outputs(forward)[:num_fwd_outputs]
+    scalars = [i for i, node in enumerate(user_outputs) if _is_scalar(node)]
     grads = _outputs(backward)
     if len(grads) != num_primals:
         raise AssertionError(f"graphopt: the backward returns {len(grads)} values for {num_primals} inputs, so "

@@ -4,11 +4,14 @@ and a kept loss read what they would read without CUDA graphs."""
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 from torch._inductor.cudagraph_trees import get_manager
 
 import graphopt
 from graphopt import pipeline
+from graphopt.lowering.registry import lowering_for
 from graphopt.options import Options, cuda_graphs_decision
 from graphopt.passes import recompute
 from graphs import relative_error
@@ -26,13 +29,14 @@ from models import tiny_lora_model
 ])
 def test_auto_turns_cuda_graphs_on_for_static_training_graphs_on_nvidia_without_offload(target, dynamic, offload,
                                                                                           training, on):
-    got, why = cuda_graphs_decision(Options(offload=offload), target, dynamic, training)
+    lowering = lowering_for(target)  # the target's lowering says whether CUDA graphs were measured faster there
+    got, why = cuda_graphs_decision(Options(offload=offload), lowering, dynamic, training)
     assert got is on and why.startswith('cuda_graphs="auto"')
 
 
 @pytest.mark.parametrize("value", [True, False])
 def test_an_explicit_choice_is_kept(value):
-    assert cuda_graphs_decision(Options(cuda_graphs=value, offload=True), "cpu", True, False) == \
+    assert cuda_graphs_decision(Options(cuda_graphs=value, offload=True), lowering_for("cpu"), True, False) == \
         (value, f"cuda_graphs={value}")
 
 
@@ -41,9 +45,9 @@ def test_an_explicit_choice_is_kept(value):
 def test_the_decision_sees_dynamic_shapes_and_whether_the_graph_trains(dynamic, training, fresh_dynamo, monkeypatch):
     seen = []
 
-    def decide(options, target, is_dynamic, is_training):
+    def decide(options, lowering, is_dynamic, is_training):
         seen.append((is_dynamic, is_training))
-        return cuda_graphs_decision(options, target, is_dynamic, is_training)
+        return cuda_graphs_decision(options, lowering, is_dynamic, is_training)
 
     monkeypatch.setattr(pipeline, "cuda_graphs_decision", decide)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
@@ -104,6 +108,40 @@ def test_the_copy_is_exact_and_fresh():
         assert torch.equal(x.nan_to_num(), y.nan_to_num())
     assert torch.Tag.cudagraph_unsafe in torch.ops.graphopt.copy_out_of_graph_pool.default.tags
     torch.library.opcheck(torch.ops.graphopt.copy_out_of_graph_pool.default, (xs[1:],))
+
+
+EDGE_VALUES = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 1e-45, 3.4e38, -2.5e-8]
+
+
+@given(shapes=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3), min_size=0, max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       edges=st.lists(st.sampled_from(EDGE_VALUES), min_size=1, max_size=8), transpose=st.booleans())
+def test_the_copy_equals_its_reference_bit_for_bit(shapes, dtype, edges, transpose):
+    """Against the reference, a clone: every value bit for bit (edge values, NaN, -0.0, denormals, in every float
+    dtype), shape (empty, scalar) and layout kept, in new memory; an empty list gives an empty list."""
+    generator = torch.Generator().manual_seed(len(shapes))
+    xs = []
+    for shape in shapes:
+        x = torch.randn(shape, generator=generator, dtype=torch.float64)
+        x.view(-1)[:len(edges)] = torch.tensor(edges, dtype=torch.float64)[:x.numel()]
+        x = x.to(dtype)
+        xs.append(x.t() if transpose and x.dim() == 2 else x)
+    ys = torch.ops.graphopt.copy_out_of_graph_pool(xs)
+    assert len(ys) == len(xs)
+    for x, y in zip(xs, ys):
+        reference = x.clone()
+        assert y.dtype == x.dtype and y.shape == x.shape
+        if x.numel():  # the layout, where strides mean something: dims longer than 1
+            assert [stride for stride, n in zip(y.stride(), y.shape) if n > 1] == \
+                [stride for stride, n in zip(reference.stride(), x.shape) if n > 1]
+        assert x.numel() == 0 or y.data_ptr() != x.data_ptr()
+        bits = _bits(dtype)
+        assert torch.equal(y.contiguous().view(-1).view(bits), reference.contiguous().view(-1).view(bits))
+
+
+def _bits(dtype):
+    return {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+            torch.float64: torch.int64}[dtype]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
