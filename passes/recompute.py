@@ -87,10 +87,11 @@ class Partitioner(CustomPartitionerFn):
                       else None)
             copy_out_of_graph_pool(forward, backward, kwargs["num_fwd_outputs"], primals, leaves)
         if self.memory_budget == "auto":
+            by_weights = self.max_memory_gib is None
             decision["auto"] = {"max_memory_gib": self.max_memory_gib,
-                                "reserve_gib": UNSEEN_RESERVE_GIB if self.max_memory_gib is not None else None,
-                                "weights_bytes": self.weights_bytes if self.max_memory_gib is None else None,
-                                "weights_multiple": WEIGHTS_MULTIPLE if self.max_memory_gib is None else None,
+                                "reserve_gib": None if by_weights else UNSEEN_RESERVE_GIB,
+                                "weights_bytes": self.weights_bytes if by_weights else None,
+                                "weights_multiple": WEIGHTS_MULTIPLE if by_weights else None,
                                 "limit_bytes": int(self._limit()), "offload": offload,
                                 "fits": size_hint(estimate.peak) <= self._limit(),
                                 "tried": [{"memory_budget": b, "offload": o, "estimated_peak_bytes": e}
