@@ -12,10 +12,11 @@ class OptionError(ValueError):
     """A bad option passed to the graphopt backend."""
 
 
-# The default trades a little speed for much memory: at the Llama-3.2-1B shape on the H200 under CUDA graphs, 0.6
-# trains at 69.0k tokens/s in 7.07 GiB reserved, 1.34× inductor in 1.94× Unsloth's memory; at Llama-3-8B's it
-# recomputes more than that GPU needs (13.2k against budget 1's 15.7k, benchmarks/RESULTS.md, seventh session).
-DEFAULT_MEMORY_BUDGET = 0.6
+# The default sizes the plan to the model: the fastest plan whose estimated peak fits 2.75× the parameters' bytes
+# (passes/recompute.py WEIGHTS_MULTIPLE). No fixed budget serves every shape: on the H200 under CUDA graphs 0.6 is
+# 1.34× inductor in 1.94× Unsloth's memory at the Llama-3.2-1B shape, but at Llama-3-8B's it recomputes what that
+# GPU has room to keep (13.2k tokens/s against budget 1's 15.7k; benchmarks/RESULTS.md, seventh session).
+DEFAULT_MEMORY_BUDGET = "auto"
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,12 @@ def parse_options(raw: dict, fusion_names) -> Options:
     cuda_graphs = raw.get("cuda_graphs", "auto")
     if not isinstance(cuda_graphs, bool) and cuda_graphs != "auto":
         raise OptionError(f"cuda_graphs must be \"auto\", True or False, got {cuda_graphs!r}")
+    if cuda_graphs is True and offload:
+        raise OptionError("cuda_graphs=True cannot be combined with offload=True: to keep its CUDA graphs whole, "
+                          "Inductor moves the copies to host memory to the end of the forward, where they free "
+                          "nothing, and where it does not, a graph can be cut between an op and its outputs, which "
+                          "CUDA graph trees reject. Keep offload=True with cuda_graphs=\"auto\" (the default, off "
+                          "with offload) or False; or keep cuda_graphs=True and drop offload")
     return Options(target=target, fusions=frozenset(enabled), report=report, keep_logits=keep_logits,
                    cache_grad=cache_grad, memory_budget=memory_budget, offload=offload, max_memory_gib=max_memory_gib,
                    cuda_graphs=cuda_graphs)
@@ -109,7 +116,7 @@ def cuda_graphs_decision(options: Options, lowering, dynamic: bool, training: bo
     if dynamic:
         return False, "cuda_graphs=\"auto\", dynamic shapes: a CUDA graph would be recorded for every size met"
     if options.offload:
-        return False, "cuda_graphs=\"auto\", offload=True: its copies would split the graphs at every layer, slower"
+        return False, "cuda_graphs=\"auto\", offload=True: the two do not combine (see cuda_graphs=True)"
     return True, "cuda_graphs=\"auto\": static shapes on an NVIDIA GPU"
 
 

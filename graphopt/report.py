@@ -118,16 +118,22 @@ class Report:
         if auto:
             tried = ", ".join(f"{t['memory_budget']:g}{' + offload' if t['offload'] else ''} → "
                               f"{_bytes_text(t['estimated_peak_bytes'])}" for t in auto["tried"])
-            if auto["max_memory_gib"] is None:
+            if auto["max_memory_gib"] is None and not auto["weights_bytes"]:
+                limit = "the graph reads no parameters to size the plan to: the fastest plan"
+            elif auto["max_memory_gib"] is None:
                 limit = (f"estimates must fit {auto['weights_multiple']:g} × the {_bytes_text(auto['weights_bytes'])} "
                          f"of parameters the graph reads, {_bytes_text(auto['limit_bytes'])}")
             else:
                 limit = (f"max_memory_gib {auto['max_memory_gib']:g}: estimates must fit "
                          f"{auto['max_memory_gib'] - auto['reserve_gib']:g} GiB, {auto['reserve_gib']:g} GiB kept for "
                          f"what the graphs do not show")
+            misses = ""
+            if not auto["fits"]:
+                misses = ", the leanest plan, and it does not fit" + (
+                    "" if auto["offload_allowed"] else " (offload is not tried under CUDA graphs: cuda_graphs=False "
+                                                       "allows it)")
             lines.append(f"  memory_budget auto ({limit}): chose {saved['memory_budget']:g}"
-                         f"{' with offload' if auto['offload'] else ''}"
-                         f"{'' if auto['fits'] else ', the leanest plan, and it does not fit'} (tried {tried})")
+                         f"{' with offload' if auto['offload'] else ''}{misses} (tried {tried})")
         offload = saved.get("offload")
         if offload:
             kept = "; ".join(f"{k['tensors']} {k['reason']} ({_bytes_text(k['bytes'])})" for k in offload["kept"])

@@ -331,8 +331,8 @@ linear_cross_entropy.register_autograd(_linear_ce_grad, setup_context=_linear_ce
 
 # --- offload / reload: saved activations to host memory and back (inserted by passes/offload.py) -----------
 
-# cudagraph_unsafe: side streams, events and pinned host memory cannot be captured; Inductor splits its CUDA graphs
-# around these ops (cuda_graphs=True).
+# cudagraph_unsafe: side streams, events and pinned host memory cannot be captured. Offload never runs under CUDA
+# graphs (options.py refuses the pair); the tag says what the ops are, should a graph ever meet them.
 @torch.library.custom_op("graphopt::offload", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def offload(x: Tensor) -> Tensor:
     """A contiguous copy of x in host memory (pinned, copied on a side stream: lowering/transfer.py)."""

@@ -66,6 +66,8 @@ class Partitioner(CustomPartitionerFn):
         # Under CUDA graphs: one bool per input of the compiled graph, True for a leaf that requires grad, whose
         # gradient becomes its .grad (passes/graph_pool.py); None without CUDA graphs
         self.leaf_inputs = leaf_inputs
+        # "auto" under a limit may turn offload on, but not under CUDA graphs: the two do not combine (options.py)
+        self.offload_allowed = leaf_inputs is None
 
     def __call__(self, joint, joint_inputs, **kwargs):
         if self.memory_budget == "auto":
@@ -93,7 +95,8 @@ class Partitioner(CustomPartitionerFn):
                                 "weights_bytes": self.weights_bytes if by_weights else None,
                                 "weights_multiple": WEIGHTS_MULTIPLE if by_weights else None,
                                 "limit_bytes": int(self._limit()), "offload": offload,
-                                "fits": size_hint(estimate.peak) <= self._limit(),
+                                "offload_allowed": self.offload_allowed,
+                                "fits": size_hint(estimate.peak) <= self._limit() or self.sized_by_nothing(),
                                 "tried": [{"memory_budget": b, "offload": o, "estimated_peak_bytes": e}
                                           for b, o, e in tried]}
         self.on_partitioned(decision)
@@ -120,11 +123,17 @@ class Partitioner(CustomPartitionerFn):
             return WEIGHTS_MULTIPLE * self.weights_bytes
         return (self.max_memory_gib - UNSEEN_RESERVE_GIB) * GIB
 
+    def sized_by_nothing(self) -> bool:
+        """"auto" without max_memory_gib on a graph that reads no parameters (a compiled function, not a model):
+        there are no weights to size the plan to, so it takes the fastest."""
+        return self.max_memory_gib is None and not self.weights_bytes
+
     def _choose(self, joint, joint_inputs, kwargs):
         """memory_budget="auto": the fastest plan whose estimated peak fits the limit (_limit). The fastest is
-        budget 1; then the largest budget that fits (bisection); then, under max_memory_gib, budget 0 with offload.
-        Nothing fits: the leanest plan there is (without max_memory_gib, budget 0 on the device: offload is only
-        taken when asked for by a limit), and the report says by how much it misses."""
+        budget 1 (also the choice when there is nothing to size it to, sized_by_nothing); then the largest
+        budget that fits (bisection); then, under max_memory_gib and without CUDA graphs, budget 0 with offload.
+        Nothing fits: the leanest plan there is (budget 0 on the device where offload is not taken: it is taken
+        only when asked for by a limit, and never under CUDA graphs), and the report says by how much it misses."""
         limit, tried = self._limit(), []
 
         def attempt(budget, offload=False):
@@ -133,11 +142,12 @@ class Partitioner(CustomPartitionerFn):
             return plan, size_hint(plan[-1].peak) <= limit
 
         best, fits = attempt(1.0)
-        if fits:
+        if fits or self.sized_by_nothing():
             return best, tried
         lowest, fits = attempt(0.0)
         if not fits:
-            return (attempt(0.0, offload=True)[0] if self.max_memory_gib is not None else lowest), tried
+            may_offload = self.max_memory_gib is not None and self.offload_allowed
+            return (attempt(0.0, offload=True)[0] if may_offload else lowest), tried
         best, low, high = lowest, 0.0, 1.0
         for _ in range(AUTO_STEPS):
             middle = (low + high) / 2

@@ -122,10 +122,11 @@ def test_auto_picks_the_fastest_plan_its_estimate_fits(monkeypatch):
     peaks = {b: loss_grads_and_saved(model, ids, b)[2]["estimate"]["estimated_peak_bytes"] for b in (1, 0)}
     assert peaks[0] < peaks[1]
 
-    def auto(limit_bytes):
+    def auto(limit_bytes, cuda_graphs="auto"):
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="graphopt",
-                                 options={"memory_budget": "auto", "max_memory_gib": (limit_bytes + reserve) / 2**30})
+                                 options={"memory_budget": "auto", "max_memory_gib": (limit_bytes + reserve) / 2**30,
+                                          "cuda_graphs": cuda_graphs})
         loss = compiled(input_ids=ids, labels=ids).loss
         loss.backward()
         assert relative_error(loss, eager_loss) <= 1e-5
@@ -142,6 +143,13 @@ def test_auto_picks_the_fastest_plan_its_estimate_fits(monkeypatch):
     assert (too_small["memory_budget"], too_small["auto"]["offload"]) == (0, True) and too_small["offload"]
     assert roomy["auto"]["fits"] and between["auto"]["fits"] and not too_small["auto"]["fits"]
     assert "the leanest plan, and it does not fit" in graphopt.last_report().to_text()
+    # under CUDA graphs (asked for on the CPU: Inductor skips them there, the plan is made as on a GPU) offload is
+    # never tried, since the two do not combine; the leanest plan is budget 0 on the device
+    no_offload = auto(1, cuda_graphs=True)
+    assert (no_offload["memory_budget"], no_offload["auto"]["offload"], no_offload["offload"]) == (0, False, None)
+    assert not no_offload["auto"]["offload_allowed"] and not no_offload["auto"]["fits"]
+    assert [t["offload"] for t in no_offload["auto"]["tried"]] == [False, False]
+    assert "offload is not tried under CUDA graphs" in graphopt.last_report().to_text()
 
 
 def test_auto_without_a_limit_sizes_the_plan_to_the_weights(monkeypatch):
@@ -167,6 +175,21 @@ def test_auto_without_a_limit_sizes_the_plan_to_the_weights(monkeypatch):
     assert too_small["memory_budget"] == 0 and too_small["offload"] is None and not too_small["auto"]["fits"]
     assert [t["offload"] for t in too_small["auto"]["tried"]] == [False, False]
     assert "× the" in graphopt.last_report().to_text() and "of parameters the graph reads" in graphopt.last_report().to_text()
+
+
+def test_auto_without_parameters_takes_the_fastest_plan(fresh_dynamo):
+    """A compiled function, not a model, reads no parameters to size the plan to: "auto" (the default) takes
+    budget 1 and says why, rather than the leanest plan a zero limit would ask for."""
+    x, w = torch.randn(64, 32, requires_grad=True), torch.randn(32, 32, requires_grad=True)
+    loss = torch.compile(lambda x, w: torch.tanh(torch.tanh(x @ w) @ w).sum(), backend="graphopt")(x, w)
+    loss.backward()
+    saved = graphopt.last_report().saved_for_backward
+    assert saved["requested"] == "auto" and saved["memory_budget"] == 1
+    assert saved["auto"]["weights_bytes"] == 0 and saved["auto"]["fits"]
+    assert [t["memory_budget"] for t in saved["auto"]["tried"]] == [1]
+    assert "reads no parameters" in graphopt.last_report().to_text()
+    expected_x, expected_w = torch.autograd.grad(torch.tanh(torch.tanh(x @ w) @ w).sum(), (x, w))
+    assert torch.allclose(x.grad, expected_x, atol=1e-5) and torch.allclose(w.grad, expected_w, atol=1e-5)
 
 
 def test_the_estimate_counts_what_inductor_writes_to_memory():
