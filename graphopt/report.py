@@ -128,7 +128,9 @@ class Report:
                          f"{auto['max_memory_gib'] - auto['reserve_gib']:g} GiB, {auto['reserve_gib']:g} GiB kept for "
                          f"what the graphs do not show")
             misses = ""
-            if not auto["fits"]:
+            if not auto["fits"] and auto["max_memory_gib"] is None:  # no limit was asked for: nothing failed
+                misses = ", the leanest plan: even its estimate is over the limit, the activations dominate"
+            elif not auto["fits"]:
                 misses = ", the leanest plan, and it does not fit" + (
                     "" if auto["offload_allowed"] else " (offload is not tried under CUDA graphs: cuda_graphs=False "
                                                        "allows it)")
