@@ -103,10 +103,10 @@ def parse_options(raw: dict, fusion_names) -> Options:
 
 def cuda_graphs_decision(options: Options, lowering, dynamic: bool, training: bool) -> tuple:
     """(on, why) for one graph. "auto" turns CUDA graphs on where they were measured faster: training graphs on
-    a target whose lowering says so (NVIDIA GPUs, lowering/registry.py), of static shapes (a graph of dynamic shapes would be recorded once per size met), without offload
-    (its copies split the graph at every layer: at the 1B shape on the H200, 55.8k tokens/s with CUDA graphs
-    against 60.7k without, benchmarks/RESULTS.md). Not for inference graphs: every call would overwrite the
-    last call's outputs, which evaluation loops keep (training graphs copy out the loss, passes/graph_pool.py)."""
+    a target whose lowering says so (NVIDIA GPUs, lowering/registry.py), of static shapes (a graph of dynamic
+    shapes would be recorded once per size met), without offload (the two do not combine: parse_options). Not for
+    inference graphs: every call would overwrite the last call's outputs, which evaluation loops keep (training
+    graphs copy out the loss, passes/graph_pool.py)."""
     if options.cuda_graphs != "auto":
         return options.cuda_graphs, f"cuda_graphs={options.cuda_graphs}"
     if not lowering.cuda_graphs:

@@ -24,6 +24,8 @@ this module adds:
   H200 that took the fastest plan from 15.5 to 11.4 GiB, with no loss of speed (benchmarks/RESULTS.md).
 """
 
+import math
+
 import torch
 import torch._functorch.config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -94,9 +96,9 @@ class Partitioner(CustomPartitionerFn):
                                 "reserve_gib": None if by_weights else UNSEEN_RESERVE_GIB,
                                 "weights_bytes": self.weights_bytes if by_weights else None,
                                 "weights_multiple": WEIGHTS_MULTIPLE if by_weights else None,
-                                "limit_bytes": int(self._limit()), "offload": offload,
-                                "offload_allowed": self.offload_allowed,
-                                "fits": size_hint(estimate.peak) <= self._limit() or self.sized_by_nothing(),
+                                "limit_bytes": None if self._limit() == math.inf else int(self._limit()),
+                                "offload": offload, "offload_allowed": self.offload_allowed,
+                                "fits": size_hint(estimate.peak) <= self._limit(),
                                 "tried": [{"memory_budget": b, "offload": o, "estimated_peak_bytes": e}
                                           for b, o, e in tried]}
         self.on_partitioned(decision)
@@ -118,20 +120,16 @@ class Partitioner(CustomPartitionerFn):
 
     def _limit(self):
         """The bytes an "auto" plan's estimated peak must fit: max_memory_gib less the reserve for what the graphs
-        do not show (UNSEEN_RESERVE_GIB), or without max_memory_gib WEIGHTS_MULTIPLE × the parameters' bytes."""
+        do not show (UNSEEN_RESERVE_GIB), or without max_memory_gib WEIGHTS_MULTIPLE × the parameters' bytes. A
+        graph that reads no parameters (a compiled function, not a model) has nothing to size the plan to: no
+        limit, so the fastest plan."""
         if self.max_memory_gib is None:
-            return WEIGHTS_MULTIPLE * self.weights_bytes
+            return WEIGHTS_MULTIPLE * self.weights_bytes if self.weights_bytes else math.inf
         return (self.max_memory_gib - UNSEEN_RESERVE_GIB) * GIB
-
-    def sized_by_nothing(self) -> bool:
-        """"auto" without max_memory_gib on a graph that reads no parameters (a compiled function, not a model):
-        there are no weights to size the plan to, so it takes the fastest."""
-        return self.max_memory_gib is None and not self.weights_bytes
 
     def _choose(self, joint, joint_inputs, kwargs):
         """memory_budget="auto": the fastest plan whose estimated peak fits the limit (_limit). The fastest is
-        budget 1 (also the choice when there is nothing to size it to, sized_by_nothing); then the largest
-        budget that fits (bisection); then, under max_memory_gib and without CUDA graphs, budget 0 with offload.
+        budget 1; then the largest budget that fits (bisection); then, under max_memory_gib and without CUDA graphs, budget 0 with offload.
         Nothing fits: the leanest plan there is (budget 0 on the device where offload is not taken: it is taken
         only when asked for by a limit, and never under CUDA graphs), and the report says by how much it misses."""
         limit, tried = self._limit(), []
@@ -142,7 +140,7 @@ class Partitioner(CustomPartitionerFn):
             return plan, size_hint(plan[-1].peak) <= limit
 
         best, fits = attempt(1.0)
-        if fits or self.sized_by_nothing():
+        if fits:
             return best, tried
         lowest, fits = attempt(0.0)
         if not fits:
