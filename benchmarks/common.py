@@ -1,6 +1,7 @@
 """What both benchmark scripts record about the machine they ran on."""
 
 import platform
+import time
 from importlib import metadata
 
 import torch
@@ -18,3 +19,30 @@ def version_of(package):
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def host_link_gib_s(device, mib=256, repeats=4):
+    """{"d2h", "h2d"}: GiB/s of copies between the device and pinned host memory on a side stream, as offload
+    makes them; None off CUDA. A step that offloads waits for its copies where they outlast the compute they
+    overlap, so a run records its host's link: one host's slow lean step went unexplained without it
+    (benchmarks/RESULTS.md, ninth session)."""
+    if device.type != "cuda":
+        return None
+    on_device = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    host = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
+    side = torch.cuda.Stream(device)
+    rates = {}
+    for name, copy in (("d2h", lambda: host.copy_(on_device, non_blocking=True)),
+                       ("h2d", lambda: on_device.copy_(host, non_blocking=True))):
+        with torch.cuda.stream(side):
+            copy()  # the first copy pays for setting up the transfer
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with torch.cuda.stream(side):
+            for _ in range(repeats):
+                copy()
+        torch.cuda.synchronize(device)
+        rates[name] = repeats * mib / 1024 / (time.perf_counter() - start)
+    del on_device
+    torch.cuda.empty_cache()  # the peak reserved is measured later: the probe's block must not count in it
+    return rates

@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from common import device_name, version_of
+from common import device_name, host_link_gib_s, version_of
 
 VARIANTS = ("eager", "inductor", "graphopt", "liger", "unsloth")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -338,6 +338,7 @@ def print_memory_at_peak(forward, optimizer, input_ids, device, top=30):
 def run(args):
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
+    host_link = host_link_gib_s(device)  # before the model: the copies have the link to themselves
     # keep_alive (Unsloth's saved checkpoint) must outlive the steps: held here until run() returns.
     model, forward, keep_alive = prepare(args, device, dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -411,6 +412,7 @@ def run(args):
         "loss": loss.item(),
         "trainable_params": sum(p.numel() for p in trainable),
         "device_name": device_name(device),
+        "host_link_gib_s": host_link,
         "torch": torch.__version__,
         "triton": version_of("triton"),
         "transformers": version_of("transformers"),
@@ -431,7 +433,9 @@ def describe(r):
         (", CUDA graphs: compare reserved" if r["cuda_graphs"] else "")
     return (f"{r['variant']} {r['options'] or ''}: {r['shape']} batch {r['batch']} seq {r['seq']} {r['dtype']} on {r['device_name']}: "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, peak {memory}, "
-            f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}")
+            f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}"
+            + (f"; pinned copies {r['host_link_gib_s']['d2h']:.0f} GiB/s to the host, "
+               f"{r['host_link_gib_s']['h2d']:.0f} back" if r.get("host_link_gib_s") else ""))
 
 
 # --- the table of a results file -------------------------------------------------------------------------

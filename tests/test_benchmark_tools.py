@@ -31,6 +31,18 @@ def test_stream_timeline_is_printed_from_a_chrome_trace(tmp_path, capsys):
         capsys.readouterr().err)
 
 
+def test_a_result_line_names_the_hosts_link_where_it_was_measured():
+    result = {"variant": "unsloth", "options": None, "shape": "1b", "batch": 4, "seq": 2048, "dtype": "bf16",
+              "device_name": "NVIDIA H200", "tokens_per_s": 52976.0, "step_ms": 154.6, "peak_alloc_gib": 3.65,
+              "peak_reserved_gib": 3.79, "cuda_graphs": False, "first_loss": 12.18, "loss": 11.80,
+              "host_link_gib_s": {"d2h": 51.1, "h2d": 50.3}}
+    assert train_step.describe(result).endswith("; pinned copies 51 GiB/s to the host, 50 back")
+    off_cuda = {**result, "host_link_gib_s": None}
+    assert train_step.describe(off_cuda).endswith("loss 12.1800 -> 11.8000")
+    older = {k: v for k, v in result.items() if k != "host_link_gib_s"}  # results files from before the probe
+    assert train_step.describe(older) == train_step.describe(off_cuda)
+
+
 def event(action, addr, size, frames=()):
     return {"action": action, "addr": addr, "size": size, "frames": list(frames)}
 
