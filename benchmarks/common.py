@@ -24,8 +24,7 @@ def version_of(package):
 def host_link_gib_s(device, mib=256, repeats=4):
     """{"d2h", "h2d"}: GiB/s of copies between the device and pinned host memory on a side stream, as offload
     makes them; None off CUDA. A step that offloads waits for its copies where they outlast the compute they
-    overlap, so a run records its host's link: one host's slow lean step went unexplained without it
-    (benchmarks/RESULTS.md, ninth session)."""
+    overlap."""
     if device.type != "cuda":
         return None
     on_device = torch.empty(mib << 20, dtype=torch.uint8, device=device)
@@ -46,3 +45,21 @@ def host_link_gib_s(device, mib=256, repeats=4):
     del on_device
     torch.cuda.empty_cache()  # the peak reserved is measured later: the probe's block must not count in it
     return rates
+
+
+def launch_us(device, launches=5000):
+    """Host microseconds per launch of a tiny kernel (torch's dispatch plus the driver's launch), the GPU idle
+    otherwise; None off CUDA. A step that launches its kernels one by one (no CUDA graphs) waits on this where
+    its kernels are short: the 1B lean step ran 0.71× to 1.23× Unsloth's speed across H200 hosts with the same
+    copy bandwidth (benchmarks/RESULTS.md, ninth session)."""
+    if device.type != "cuda":
+        return None
+    counter = torch.zeros(1, device=device)
+    for _ in range(100):
+        counter.add_(1)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(launches):
+        counter.add_(1)
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / launches * 1e6

@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from common import device_name, host_link_gib_s, version_of
+from common import device_name, host_link_gib_s, launch_us, version_of
 
 VARIANTS = ("eager", "inductor", "graphopt", "liger", "unsloth")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -338,7 +338,8 @@ def print_memory_at_peak(forward, optimizer, input_ids, device, top=30):
 def run(args):
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    host_link = host_link_gib_s(device)  # before the model: the copies have the link to themselves
+    # What the host brings, before the model: runs on hosts of one GPU kind differ in these (RESULTS.md, ninth session)
+    host_link, host_launch_us = host_link_gib_s(device), launch_us(device)
     # keep_alive (Unsloth's saved checkpoint) must outlive the steps: held here until run() returns.
     model, forward, keep_alive = prepare(args, device, dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -413,6 +414,7 @@ def run(args):
         "trainable_params": sum(p.numel() for p in trainable),
         "device_name": device_name(device),
         "host_link_gib_s": host_link,
+        "launch_us": host_launch_us,
         "torch": torch.__version__,
         "triton": version_of("triton"),
         "transformers": version_of("transformers"),
@@ -433,9 +435,18 @@ def describe(r):
         (", CUDA graphs: compare reserved" if r["cuda_graphs"] else "")
     return (f"{r['variant']} {r['options'] or ''}: {r['shape']} batch {r['batch']} seq {r['seq']} {r['dtype']} on {r['device_name']}: "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, peak {memory}, "
-            f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}"
-            + (f"; pinned copies {r['host_link_gib_s']['d2h']:.0f} GiB/s to the host, "
-               f"{r['host_link_gib_s']['h2d']:.0f} back" if r.get("host_link_gib_s") else ""))
+            f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}{_describe_host(r)}")
+
+
+def _describe_host(r):
+    """What the host brought (CUDA runs since the ninth session; launch_us since its last runs)."""
+    parts = []
+    if r.get("host_link_gib_s"):
+        parts.append(f"pinned copies {r['host_link_gib_s']['d2h']:.0f} GiB/s to it, "
+                     f"{r['host_link_gib_s']['h2d']:.0f} back")
+    if r.get("launch_us") is not None:
+        parts.append(f"{r['launch_us']:.1f} µs a launch")
+    return "; host: " + ", ".join(parts) if parts else ""
 
 
 # --- the table of a results file -------------------------------------------------------------------------

@@ -35,12 +35,14 @@ def test_a_result_line_names_the_hosts_link_where_it_was_measured():
     result = {"variant": "unsloth", "options": None, "shape": "1b", "batch": 4, "seq": 2048, "dtype": "bf16",
               "device_name": "NVIDIA H200", "tokens_per_s": 52976.0, "step_ms": 154.6, "peak_alloc_gib": 3.65,
               "peak_reserved_gib": 3.79, "cuda_graphs": False, "first_loss": 12.18, "loss": 11.80,
-              "host_link_gib_s": {"d2h": 51.1, "h2d": 50.3}}
-    assert train_step.describe(result).endswith("; pinned copies 51 GiB/s to the host, 50 back")
-    off_cuda = {**result, "host_link_gib_s": None}
+              "host_link_gib_s": {"d2h": 51.1, "h2d": 50.3}, "launch_us": 6.44}
+    assert train_step.describe(result).endswith("; host: pinned copies 51 GiB/s to it, 50 back, 6.4 µs a launch")
+    off_cuda = {**result, "host_link_gib_s": None, "launch_us": None}
     assert train_step.describe(off_cuda).endswith("loss 12.1800 -> 11.8000")
-    older = {k: v for k, v in result.items() if k != "host_link_gib_s"}  # results files from before the probe
+    older = {k: v for k, v in result.items() if k not in ("host_link_gib_s", "launch_us")}  # before the probes
     assert train_step.describe(older) == train_step.describe(off_cuda)
+    link_only = {k: v for k, v in result.items() if k != "launch_us"}  # the ninth session's first probed runs
+    assert train_step.describe(link_only).endswith("; host: pinned copies 51 GiB/s to it, 50 back")
 
 
 def event(action, addr, size, frames=()):
