@@ -236,6 +236,19 @@ def profile_steps(forward, optimizer, input_ids, device, path, steps=2):
         print(f"    {time_of(e) / 1000 / steps:8.2f} ms/step ×{e.count // steps:<5} {e.key[:100]}", file=sys.stderr)
     if device.type == "cuda":
         print_stream_timeline(path, steps)
+        print_host_time(prof, steps)
+
+
+def print_host_time(prof, steps, top=25):
+    """Where the host's time goes (the profiler's CPU events, by self time): a step whose compute stream waits
+    between launches is bound by these."""
+    host = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
+    total = sum(e.self_cpu_time_total for e in host) or 1
+    print(f"  host: {total / 1000 / steps:.1f} ms/step of self time in profiled CPU events; the largest:",
+          file=sys.stderr)
+    for e in sorted(host, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]:
+        print(f"    {e.self_cpu_time_total / 1000 / steps:8.2f} ms/step ×{e.count // steps:<5} {e.key[:100]}",
+              file=sys.stderr)
 
 
 def stream_timeline(events):

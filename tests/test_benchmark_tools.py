@@ -82,3 +82,19 @@ def test_every_lora_sweep_case_runs_with_the_grids_keys(monkeypatch):
         monkeypatch.setitem(lora.CONFIGS["cuda"], name, lora_configs.GRIDS[name][0])
         for call, _ in calls:
             call()
+
+
+def test_host_time_lists_the_cpu_events_by_self_time(capsys):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            torch.mm(x, x)
+            x.add(1)
+    train_step.print_host_time(prof, steps=2)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("  host: ") and "ms/step of self time" in lines[0]
+    listed = {line.split()[-1]: line for line in lines[1:]}
+    assert "×1" in listed["aten::mm"] and "×1" in listed["aten::add"]  # counts per step
