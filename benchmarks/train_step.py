@@ -351,7 +351,7 @@ def print_memory_at_peak(forward, optimizer, input_ids, device, top=30):
 def run(args):
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    # What the host brings, before the model: runs on hosts of one GPU kind differ in these (RESULTS.md, ninth session)
+    # What the host brings, measured before the model: hosts of one GPU kind differ (RESULTS.md, ninth session)
     host_link, host_launch_us = host_link_gib_s(device), launch_us(device)
     # keep_alive (Unsloth's saved checkpoint) must outlive the steps: held here until run() returns.
     model, forward, keep_alive = prepare(args, device, dtype)
