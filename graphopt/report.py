@@ -118,7 +118,7 @@ class Report:
         if auto:
             tried = ", ".join(f"{t['memory_budget']:g}{' + offload' if t['offload'] else ''} → "
                               f"{_bytes_text(t['estimated_peak_bytes'])}" for t in auto["tried"])
-            if auto["max_memory_gib"] is None and not auto["weights_bytes"]:
+            if auto["limit_bytes"] is None:  # no parameters to size the plan to (passes/recompute.py _limit)
                 limit = "the graph reads no parameters to size the plan to: the fastest plan"
             elif auto["max_memory_gib"] is None:
                 limit = (f"estimates must fit {auto['weights_multiple']:g} × the {_bytes_text(auto['weights_bytes'])} "

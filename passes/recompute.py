@@ -91,14 +91,14 @@ class Partitioner(CustomPartitionerFn):
                       else None)
             copy_out_of_graph_pool(forward, backward, kwargs["num_fwd_outputs"], primals, leaves)
         if self.memory_budget == "auto":
-            by_weights = self.max_memory_gib is None
+            by_weights, limit = self.max_memory_gib is None, self._limit()
             decision["auto"] = {"max_memory_gib": self.max_memory_gib,
                                 "reserve_gib": None if by_weights else UNSEEN_RESERVE_GIB,
                                 "weights_bytes": self.weights_bytes if by_weights else None,
                                 "weights_multiple": WEIGHTS_MULTIPLE if by_weights else None,
-                                "limit_bytes": None if self._limit() == math.inf else int(self._limit()),
+                                "limit_bytes": None if limit == math.inf else int(limit),
                                 "offload": offload, "offload_allowed": self.offload_allowed,
-                                "fits": size_hint(estimate.peak) <= self._limit(),
+                                "fits": size_hint(estimate.peak) <= limit,
                                 "tried": [{"memory_budget": b, "offload": o, "estimated_peak_bytes": e}
                                           for b, o, e in tried]}
         self.on_partitioned(decision)
@@ -129,7 +129,8 @@ class Partitioner(CustomPartitionerFn):
 
     def _choose(self, joint, joint_inputs, kwargs):
         """memory_budget="auto": the fastest plan whose estimated peak fits the limit (_limit). The fastest is
-        budget 1; then the largest budget that fits (bisection); then, under max_memory_gib and without CUDA graphs, budget 0 with offload.
+        budget 1; then the largest budget that fits (bisection); then, under max_memory_gib and without CUDA
+        graphs, budget 0 with offload.
         Nothing fits: the leanest plan there is (budget 0 on the device where offload is not taken: it is taken
         only when asked for by a limit, and never under CUDA graphs), and the report says by how much it misses."""
         limit, tried = self._limit(), []
