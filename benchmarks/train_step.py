@@ -223,14 +223,16 @@ def profile_steps(forward, optimizer, input_ids, device, path, steps=2):
     kernels = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if device.type == "cuda" else "CPU")]
     time_of = (lambda e: e.self_device_time_total) if device.type == "cuda" else (lambda e: e.self_cpu_time_total)
     total = sum(time_of(e) for e in kernels) or 1
-    kinds = {}
+    kinds = {}  # kind → (µs, launches)
     for e in kernels:
         kind = next((k for k, patterns in KERNEL_KINDS if any(p in e.key.lower() for p in patterns)), "other")
-        kinds[kind] = kinds.get(kind, 0) + time_of(e)
+        us, launches = kinds.get(kind, (0, 0))
+        kinds[kind] = (us + time_of(e), launches + e.count)
     print(f"\nprofile of {steps} steps ({total / 1000 / steps:.1f} ms of kernel time per step); trace: {path}",
           file=sys.stderr)
-    for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:<28} {us / 1000 / steps:8.2f} ms/step  {100 * us / total:5.1f}%", file=sys.stderr)
+    for kind, (us, launches) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {kind:<28} {us / 1000 / steps:8.2f} ms/step  {100 * us / total:5.1f}%  ×{launches // steps}",
+              file=sys.stderr)
     print("  top kernels:", file=sys.stderr)
     for e in sorted(kernels, key=time_of, reverse=True)[:40]:
         print(f"    {time_of(e) / 1000 / steps:8.2f} ms/step ×{e.count // steps:<5} {e.key[:100]}", file=sys.stderr)

@@ -16,6 +16,7 @@ benchmarks/RESULTS.md).
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from graphopt.kernels import layout
 from graphopt.kernels.layout import as_rows
@@ -223,6 +224,42 @@ CONFIGS = {
 }
 
 
+# (kernel, platform, CONFIGS' config, the dtypes, BLOCK_R, device) → the config launched instead of CONFIGS', which
+# needed more shared memory than the GPU has: at large ranks, and with fp32 inputs, where every tile is twice as large
+_FITTED = {}
+
+
+def _fitting(kernel, name, platform, key, launch_with):
+    """launch_with(config) under CONFIGS[platform][name], or, where Triton finds that the kernel so compiled needs
+    more shared memory than the GPU has, under the first smaller config that fits (_smaller). Triton raises that
+    at the launch, before anything runs; the config that fit is remembered."""
+    config = CONFIGS[platform][name]
+    key = (kernel, platform, tuple(config.items())) + key
+    config = _FITTED.get(key, config)
+    while True:
+        try:
+            return launch_with(config)
+        except OutOfResources as error:
+            smaller = _smaller(config, error)
+            if smaller is None:
+                raise
+            config = _FITTED[key] = smaller
+
+
+def _smaller(config, error):
+    """Fewer pipeline stages, in proportion to the shared memory wanted over what there is (each stage holds a
+    copy of the loop's tiles), or at one stage the largest block (of ≥ 32) halved; None when nothing can shrink.
+    Each try compiles the kernel: the proportion saves most of them."""
+    stages = config.get("num_stages", 1)
+    if stages > 1:
+        return {**config, "num_stages": max(1, min(stages - 1, stages * error.limit // error.required))}
+    blocks = [name for name, size in config.items() if name.startswith("BLOCK") and size >= 32]
+    if not blocks:
+        return None
+    largest = max(blocks, key=config.get)
+    return {**config, largest: config[largest] // 2}
+
+
 def _block_r(rank):
     return max(16, layout.next_power_of_2(rank))  # tl.dot needs every block dimension ≥ 16
 
@@ -235,11 +272,15 @@ def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
     """[rows, rank] fp32 = scale · x_rows · Wᵀ, W given as (tensor, strides of its [rank, cols] view)."""
     n_rows, n_cols = x_rows.shape
     platform = layout.platform(x_rows)  # once a call: this runs on the host for every launch
-    config = CONFIGS[platform]["project"]
+    block_r = _block_r(rank)
     out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
-    _project_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]),)](
-        x_rows, weight, out, n_rows, n_cols, rank, x_rows.stride(0), stride_wr, stride_wk, scale,
-        BLOCK_R=_block_r(rank), PRECISION=PRECISION[platform], SPLIT_BF16=_split_bf16(x_rows, platform), **config)
+
+    def launch(config):
+        _project_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]),)](
+            x_rows, weight, out, n_rows, n_cols, rank, x_rows.stride(0), stride_wr, stride_wk, scale,
+            BLOCK_R=block_r, PRECISION=PRECISION[platform], SPLIT_BF16=_split_bf16(x_rows, platform), **config)
+
+    _fitting(_project_kernel, "project", platform, (x_rows.dtype, block_r, x_rows.device), launch)
     return out
 
 
@@ -248,13 +289,17 @@ def _project_pair(rows, grad, lora_a, lora_b, scale):
     n_rows, n_in = rows.shape
     rank = lora_a.shape[0]
     platform = layout.platform(rows)
-    config = CONFIGS[platform]["project"]
+    block_r = _block_r(rank)
     xa, grad_xa = torch.empty((2, n_rows, rank), dtype=torch.float32, device=rows.device)
-    _project_pair_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]), 2)](
-        rows, lora_a, xa, grad, lora_b, grad_xa, n_rows, n_in, grad.shape[1], rank, rows.stride(0), grad.stride(0),
-        lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1), scale,
-        BLOCK_R=_block_r(rank), PRECISION=PRECISION[platform], SPLIT_BF16_X=_split_bf16(rows, platform),
-        SPLIT_BF16_G=_split_bf16(grad, platform), **config)
+
+    def launch(config):
+        _project_pair_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]), 2)](
+            rows, lora_a, xa, grad, lora_b, grad_xa, n_rows, n_in, grad.shape[1], rank, rows.stride(0),
+            grad.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1), scale,
+            BLOCK_R=block_r, PRECISION=PRECISION[platform], SPLIT_BF16_X=_split_bf16(rows, platform),
+            SPLIT_BF16_G=_split_bf16(grad, platform), **config)
+
+    _fitting(_project_pair_kernel, "project", platform, (rows.dtype, grad.dtype, block_r, rows.device), launch)
     return xa, grad_xa
 
 
@@ -264,21 +309,27 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa):
     n_rows, n_in = rows.shape
     n_out, rank = grad.shape[1], xa.shape[1]
     platform = layout.platform(rows)
-    config = CONFIGS[platform]["reduce_rows"]
+    block_r = _block_r(rank)
     # 4 programs per SM (CU on AMD) fill the GPU: 528 on the H200, as tuned; the interpreter's count is fixed
     programs = 512 if platform == "cpu" else 4 * layout.multiprocessors(rows.device)
-    block_m = config["BLOCK_M"]
-    out_blocks = layout.cdiv(n_out, config["BLOCK_N"])
-    col_blocks = out_blocks + layout.cdiv(n_in, config["BLOCK_N"])
-    splits = max(1, min(layout.cdiv(n_rows, 4 * block_m), layout.cdiv(programs, col_blocks)))
-    rows_per_split = layout.cdiv(layout.cdiv(n_rows, splits), block_m) * block_m
-    splits = layout.cdiv(n_rows, rows_per_split) if n_rows else 1
     size = (n_out + n_in) * rank
-    partial = torch.empty((splits, size), dtype=torch.float32, device=rows.device)  # all written
-    _reduce_rows_pair_kernel[(col_blocks, splits)](
-        grad, xa, grad_xa, rows, partial, n_rows, n_out, n_in, rank, rows_per_split, grad.stride(0), rows.stride(0),
-        out_blocks, BLOCK_R=_block_r(rank), PRECISION=PRECISION[platform],
-        SPLIT_BF16_X=_split_bf16(rows, platform), SPLIT_BF16_G=_split_bf16(grad, platform), **config)
+
+    def launch(config):  # the splits follow the config's blocks
+        block_m = config["BLOCK_M"]
+        out_blocks = layout.cdiv(n_out, config["BLOCK_N"])
+        col_blocks = out_blocks + layout.cdiv(n_in, config["BLOCK_N"])
+        splits = max(1, min(layout.cdiv(n_rows, 4 * block_m), layout.cdiv(programs, col_blocks)))
+        rows_per_split = layout.cdiv(layout.cdiv(n_rows, splits), block_m) * block_m
+        splits = layout.cdiv(n_rows, rows_per_split) if n_rows else 1
+        partial = torch.empty((splits, size), dtype=torch.float32, device=rows.device)  # all written
+        _reduce_rows_pair_kernel[(col_blocks, splits)](
+            grad, xa, grad_xa, rows, partial, n_rows, n_out, n_in, rank, rows_per_split, grad.stride(0),
+            rows.stride(0), out_blocks, BLOCK_R=block_r, PRECISION=PRECISION[platform],
+            SPLIT_BF16_X=_split_bf16(rows, platform), SPLIT_BF16_G=_split_bf16(grad, platform), **config)
+        return partial, splits
+
+    key = (rows.dtype, grad.dtype, block_r, rows.device)
+    partial, splits = _fitting(_reduce_rows_pair_kernel, "reduce_rows", platform, key, launch)
     # two tensors, not views of one buffer: a custom op's outputs may not alias each other
     grad_a = torch.empty((rank, n_in), dtype=torch.float32, device=rows.device)
     grad_b = torch.empty((n_out, rank), dtype=torch.float32, device=rows.device)
@@ -293,14 +344,17 @@ def _add_low_rank(base, xa, weight, stride_wn, stride_wr, scale, out_dtype, roun
     each element is read and written by one program, and the step's peak holds one such buffer, not two."""
     n_rows, n_cols = base.shape
     platform = layout.platform(base)
-    config = CONFIGS[platform]["add_low_rank"]
+    block_r = _block_r(xa.shape[1])
     in_place = base.dtype == out_dtype and base.is_contiguous()
     out = base if in_place else torch.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
-    grid = (layout.cdiv(n_rows, config["BLOCK_M"]), layout.cdiv(n_cols, config["BLOCK_N"]))
-    _add_low_rank_kernel[grid](
-        base, xa, weight, out, n_rows, n_cols, xa.shape[1], base.stride(0), stride_wn, stride_wr, scale,
-        ROUND_FIRST=round_first, BLOCK_R=_block_r(xa.shape[1]), PRECISION=PRECISION[platform],
-        SPLIT_BF16=out_dtype == torch.bfloat16 and platform != "cpu", **config)
+
+    def launch(config):
+        _add_low_rank_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]), layout.cdiv(n_cols, config["BLOCK_N"]))](
+            base, xa, weight, out, n_rows, n_cols, xa.shape[1], base.stride(0), stride_wn, stride_wr, scale,
+            ROUND_FIRST=round_first, BLOCK_R=block_r, PRECISION=PRECISION[platform],
+            SPLIT_BF16=out_dtype == torch.bfloat16 and platform != "cpu", **config)
+
+    _fitting(_add_low_rank_kernel, "add_low_rank", platform, (base.dtype, out_dtype, block_r, base.device), launch)
     return out
 
 

@@ -124,6 +124,72 @@ class CountedLaunches:
         return self.kernel[grid]
 
 
+def test_a_config_too_large_for_shared_memory_shrinks_until_it_fits(monkeypatch):
+    """Large ranks and fp32 tiles need more shared memory than the tuned configs leave room for (rank 128 on the
+    H200 did not launch): Triton raises OutOfResources at the launch, and the launch is retried with fewer stages
+    (in proportion to the memory wanted over the limit), then the largest block halved, until it fits; the config
+    that fit is remembered per key, CONFIGS kept."""
+    from triton.runtime.errors import OutOfResources
+
+    from graphopt.kernels import lora
+
+    limit, tried = 232_448, []
+
+    def launch_wanting(bytes_per_stage):  # shared memory ∝ stages × BLOCK_K, as the project kernel's tiles
+        def launch(config):
+            tried.append((config["num_stages"], config["BLOCK_M"], config["BLOCK_K"]))
+            required = bytes_per_stage * config["num_stages"] * config["BLOCK_K"] // 128
+            if required > limit:
+                raise OutOfResources(required, limit, "shared memory")
+            return "launched"
+        return launch
+
+    monkeypatch.setattr(lora, "_FITTED", {})
+    tuned = dict(lora.CONFIGS["cuda"]["project"])
+    assert lora._fitting("kernel", "project", "cuda", ("key",), launch_wanting(100_000)) == "launched"
+    assert tried == [(4, 64, 128), (2, 64, 128)]  # 400,000 bytes wanted: 2 of 4 stages fit, none tried between
+    tried.clear()
+    assert lora._fitting("kernel", "project", "cuda", ("larger",), launch_wanting(300_000)) == "launched"
+    assert tried == [(4, 64, 128), (1, 64, 128), (1, 64, 64)]  # one stage too large: BLOCK_K halved
+    tried.clear()
+    lora._fitting("kernel", "project", "cuda", ("larger",), launch_wanting(300_000))
+    assert tried == [(1, 64, 64)]  # remembered
+    tried.clear()
+    lora._fitting("kernel", "project", "cuda", ("other key",), launch_wanting(1))
+    assert tried == [(4, 64, 128)] and lora.CONFIGS["cuda"]["project"] == tuned
+
+    def never_fits(config):
+        raise OutOfResources(300_000, 232_448, "shared memory")
+
+    with pytest.raises(OutOfResources):
+        lora._fitting("kernel", "project", "cuda", ("never",), never_fits)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="shared memory is a GPU's limit; the interpreter has none")
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("r", [1, 16, 64, 128, 256])
+def test_every_common_rank_runs_on_the_gpu(r, dtype):
+    """PEFT's usual ranks in every dtype, forward and backward, against fp64: before the configs shrank to fit,
+    rank 128 raised OutOfResources on the H200."""
+    from graphopt.kernels import lora, reference
+
+    g = torch.Generator().manual_seed(r)
+    x = torch.randn(300, 256, generator=g).to(DEVICE, dtype)
+    grad = torch.randn(300, 192, generator=g).to(DEVICE, dtype)
+    weight = (torch.randn(192, 256, generator=g) / 16).to(DEVICE, dtype)
+    a, b = (torch.randn(r, 256, generator=g) / 16).to(DEVICE), torch.randn(192, r, generator=g).to(DEVICE)
+    got = (lora.lora_linear_forward(x, weight, None, a, b, 2.0, dtype),
+           *lora.lora_linear_backward(grad, x, weight, a, b, 2.0))
+    same = (reference.lora_linear(x, weight, None, a, b, 2.0, dtype),
+            *reference.lora_linear_backward(grad, x, weight, a, b, 2.0))
+    f64 = [t.double() for t in (x, weight, a, b, grad)]
+    exact = (reference.lora_linear(f64[0], f64[1], None, f64[2], f64[3], 2.0, torch.float64),
+             *reference.lora_linear_backward(f64[4], f64[0], f64[1], f64[2], f64[3], 2.0))
+    for name, out, ref, x64 in zip(("out", "dx", "dA", "dB"), got, same, exact):
+        bound = 1e-5 if dtype == torch.float32 else 2 * relative_error(ref, x64) + 1e-3
+        assert relative_error(out, x64) <= bound, name
+
+
 def test_backward_is_four_triton_launches(monkeypatch):
     """The H200's step is partly launch-bound, and the LoRA backward launched the most kernels (about ten a call):
     now x·Aᵀ and dY·B share one launch, dA's and dB's partial sums one, their sum one, and dX's low-rank term one,
