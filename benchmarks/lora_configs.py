@@ -91,14 +91,16 @@ def main():
         results = []
         for precision, config in [("ieee", current[name])] + [("tf32x3", c) for c in [current[name]] + grid]:
             lora.PRECISION["cuda"], lora.CONFIGS["cuda"][name] = precision, config
-            lora._FITTED.clear()
+            lora._FITTED.clear()  # the configs that fit were found for the config before
             try:
-                results.append((*weighted_time(calls[name]), precision, config))
+                timed = weighted_time(calls[name])
             except Exception as error:  # a config the GPU cannot run
                 print(f"  {name} {config}: {type(error).__name__}")
+                continue
             if lora._FITTED:  # it ran shrunk to fit shared memory (kernels/lora.py _fitting): not this config's time
                 print(f"  {name} {config}: needs more shared memory than the GPU has")
-                results = results[:-1] if results and results[-1][-1] is config else results
+                continue
+            results.append((*timed, precision, config))
         lora.PRECISION["cuda"], lora.CONFIGS["cuda"][name] = "tf32x3", current[name]
         print(f"\n{name}: µs per layer and step, weighted (per shape)")
         for label, (total, per_shape, *_) in [("current, ieee", results[0]),

@@ -224,8 +224,9 @@ CONFIGS = {
 }
 
 
-# (kernel, platform, CONFIGS' config, the dtypes, BLOCK_R, device) → the config launched instead of CONFIGS', which
-# needed more shared memory than the GPU has: at large ranks, and with fp32 inputs, where every tile is twice as large
+# (kernel, platform, the dtypes, BLOCK_R, device) → the config launched instead of CONFIGS', which needed more
+# shared memory than the GPU has: at large ranks, and with fp32 inputs, where every tile is twice as large. Whoever
+# changes CONFIGS at run time (benchmarks/lora_configs.py) clears it.
 _FITTED = {}
 
 
@@ -233,9 +234,8 @@ def _fitting(kernel, name, platform, key, launch_with):
     """launch_with(config) under CONFIGS[platform][name], or, where Triton finds that the kernel so compiled needs
     more shared memory than the GPU has, under the first smaller config that fits (_smaller). Triton raises that
     at the launch, before anything runs; the config that fit is remembered."""
-    config = CONFIGS[platform][name]
-    key = (kernel, platform, tuple(config.items())) + key
-    config = _FITTED.get(key, config)
+    key = (kernel, platform) + key  # built at every launch: no more than what tells the fits apart
+    config = _FITTED.get(key) or CONFIGS[platform][name]
     while True:
         try:
             return launch_with(config)

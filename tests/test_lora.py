@@ -85,10 +85,8 @@ KERNEL_DTYPES = [torch.float32, torch.float16] + [torch.bfloat16] * (DEVICE == "
        dtype=st.sampled_from(KERNEL_DTYPES), bias=st.booleans(), scaling=st.sampled_from([0.5, 2.0]),
        seed=st.integers(0, 2**16))
 def test_kernels_match_fp64(r, shape, dtype, bias, scaling, seed):
-    """Forward and dX, dA, dB against the reference computed in fp64 from the same inputs: fp32 to 1e-5; bf16/fp16
-    no further from it than the reference in that dtype, up to rounding."""
-    from graphopt.kernels import lora, reference
-
+    """Forward and dX, dA, dB against the reference computed in fp64 from the same inputs (bias, shapes, ranks
+    below and above the 16 a dot needs)."""
     tokens, in_features, out_features = shape
     g = torch.Generator().manual_seed(seed)
 
@@ -100,11 +98,20 @@ def test_kernels_match_fp64(r, shape, dtype, bias, scaling, seed):
     b = randn(out_features) if bias else None
     a, bb = randn(r, in_features, dtype=torch.float32, scale=in_features ** -0.5), randn(out_features, r,
                                                                                         dtype=torch.float32)
-    got = (lora.lora_linear_forward(x, weight, b, a, bb, scaling, dtype),
-           *lora.lora_linear_backward(grad, x, weight, a, bb, scaling))
-    same = (reference.lora_linear(x, weight, b, a, bb, scaling, dtype),
-            *reference.lora_linear_backward(grad, x, weight, a, bb, scaling))
-    f64 = [t.double() if t is not None else None for t in (x, weight, b, a, bb, grad)]
+    assert_kernels_match_fp64(x, grad, weight, b, a, bb, scaling)
+
+
+def assert_kernels_match_fp64(x, grad, weight, bias, a, b, scaling):
+    """Forward and dX, dA, dB of the kernels (kernels/lora.py) against the reference computed in fp64 from the same
+    inputs: fp32 to 1e-5; bf16/fp16 no further from it than the reference in that dtype, up to rounding."""
+    from graphopt.kernels import lora, reference
+
+    dtype = x.dtype
+    got = (lora.lora_linear_forward(x, weight, bias, a, b, scaling, dtype),
+           *lora.lora_linear_backward(grad, x, weight, a, b, scaling))
+    same = (reference.lora_linear(x, weight, bias, a, b, scaling, dtype),
+            *reference.lora_linear_backward(grad, x, weight, a, b, scaling))
+    f64 = [t.double() if t is not None else None for t in (x, weight, bias, a, b, grad)]
     exact = (reference.lora_linear(*f64[:5], scaling, torch.float64),
              *reference.lora_linear_backward(f64[5], f64[0], f64[1], f64[3], f64[4], scaling))
     for name, out, ref, x64 in zip(("out", "dx", "dA", "dB"), got, same, exact):
@@ -171,23 +178,12 @@ def test_a_config_too_large_for_shared_memory_shrinks_until_it_fits(monkeypatch)
 def test_every_common_rank_runs_on_the_gpu(r, dtype):
     """PEFT's usual ranks in every dtype, forward and backward, against fp64: before the configs shrank to fit,
     rank 128 raised OutOfResources on the H200."""
-    from graphopt.kernels import lora, reference
-
     g = torch.Generator().manual_seed(r)
     x = torch.randn(300, 256, generator=g).to(DEVICE, dtype)
     grad = torch.randn(300, 192, generator=g).to(DEVICE, dtype)
     weight = (torch.randn(192, 256, generator=g) / 16).to(DEVICE, dtype)
     a, b = (torch.randn(r, 256, generator=g) / 16).to(DEVICE), torch.randn(192, r, generator=g).to(DEVICE)
-    got = (lora.lora_linear_forward(x, weight, None, a, b, 2.0, dtype),
-           *lora.lora_linear_backward(grad, x, weight, a, b, 2.0))
-    same = (reference.lora_linear(x, weight, None, a, b, 2.0, dtype),
-            *reference.lora_linear_backward(grad, x, weight, a, b, 2.0))
-    f64 = [t.double() for t in (x, weight, a, b, grad)]
-    exact = (reference.lora_linear(f64[0], f64[1], None, f64[2], f64[3], 2.0, torch.float64),
-             *reference.lora_linear_backward(f64[4], f64[0], f64[1], f64[2], f64[3], 2.0))
-    for name, out, ref, x64 in zip(("out", "dx", "dA", "dB"), got, same, exact):
-        bound = 1e-5 if dtype == torch.float32 else 2 * relative_error(ref, x64) + 1e-3
-        assert relative_error(out, x64) <= bound, name
+    assert_kernels_match_fp64(x, grad, weight, None, a, b, 2.0)
 
 
 def test_backward_is_four_triton_launches(monkeypatch):
