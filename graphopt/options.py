@@ -90,12 +90,6 @@ def parse_options(raw: dict, fusion_names) -> Options:
     cuda_graphs = raw.get("cuda_graphs", "auto")
     if not isinstance(cuda_graphs, bool) and cuda_graphs != "auto":
         raise OptionError(f"cuda_graphs must be \"auto\", True or False, got {cuda_graphs!r}")
-    if cuda_graphs is True and offload:
-        raise OptionError("cuda_graphs=True cannot be combined with offload=True: to keep its CUDA graphs whole, "
-                          "Inductor moves the copies to host memory to the end of the forward, where they free "
-                          "nothing, and where it does not, a graph can be cut between an op and its outputs, which "
-                          "CUDA graph trees reject. Keep offload=True with cuda_graphs=\"auto\" (the default, off "
-                          "with offload) or False; or keep cuda_graphs=True and drop offload")
     return Options(target=target, fusions=frozenset(enabled), report=report, keep_logits=keep_logits,
                    cache_grad=cache_grad, memory_budget=memory_budget, offload=offload, max_memory_gib=max_memory_gib,
                    cuda_graphs=cuda_graphs)
@@ -104,7 +98,7 @@ def parse_options(raw: dict, fusion_names) -> Options:
 def cuda_graphs_decision(options: Options, lowering, dynamic: bool, training: bool) -> tuple:
     """(on, why) for one graph. "auto" turns CUDA graphs on where they were measured faster: training graphs on
     a target whose lowering says so (NVIDIA GPUs, lowering/registry.py), of static shapes (a graph of dynamic
-    shapes would be recorded once per size met), without offload (the two do not combine: parse_options). Not for
+    shapes would be recorded once per size met); offload's copies are captured with the rest. Not for
     inference graphs: every call would overwrite the last call's outputs, which evaluation loops keep (training
     graphs copy out the loss, passes/graph_pool.py)."""
     if options.cuda_graphs != "auto":
@@ -115,8 +109,6 @@ def cuda_graphs_decision(options: Options, lowering, dynamic: bool, training: bo
         return False, "cuda_graphs=\"auto\", no backward: each call would overwrite the outputs of the last"
     if dynamic:
         return False, "cuda_graphs=\"auto\", dynamic shapes: a CUDA graph would be recorded for every size met"
-    if options.offload:
-        return False, "cuda_graphs=\"auto\", offload=True: the two do not combine (see cuda_graphs=True)"
     return True, "cuda_graphs=\"auto\": static shapes on an NVIDIA GPU"
 
 

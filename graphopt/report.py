@@ -131,9 +131,7 @@ class Report:
             if not auto["fits"] and auto["max_memory_gib"] is None:  # no limit was asked for: nothing failed
                 misses = ", the leanest plan: even its estimate is over the limit, the activations dominate"
             elif not auto["fits"]:
-                misses = ", the leanest plan, and it does not fit" + (
-                    "" if auto["offload_allowed"] else " (offload is not tried under CUDA graphs: cuda_graphs=False "
-                                                       "allows it)")
+                misses = ", the leanest plan, and it does not fit"
             lines.append(f"  memory_budget auto ({limit}): chose {saved['memory_budget']:g}"
                          f"{' with offload' if auto['offload'] else ''}{misses} (tried {tried})")
         offload = saved.get("offload")

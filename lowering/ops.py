@@ -331,29 +331,34 @@ linear_cross_entropy.register_autograd(_linear_ce_grad, setup_context=_linear_ce
 
 # --- offload / reload: saved activations to host memory and back (inserted by passes/offload.py) -----------
 
-# cudagraph_unsafe: side streams, events and pinned host memory cannot be captured. Offload never runs under CUDA
-# graphs (options.py refuses the pair); the tag says what the ops are, should a graph ever meet them.
-@torch.library.custom_op("graphopt::offload", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def offload(x: Tensor) -> Tensor:
-    """A contiguous copy of x in host memory (pinned, copied on a side stream: lowering/transfer.py)."""
-    return transfer.offload(x)
+# Captured in CUDA graphs with the rest of the step: no host tensor crosses the graph's boundary (a token stands
+# for each host copy), and the host buffers are pinned before any capture (lowering/transfer.py).
+@torch.library.custom_op("graphopt::offload", mutates_args=())
+def offload(x: Tensor, after: list[Tensor], keep: list[Tensor], wait: bool) -> Tensor:
+    """Starts copying x to host memory (pinned, on a side stream: lowering/transfer.py) and returns its token, a
+    one-byte tensor on x's device that reload takes back. First makes the compute stream wait for the copies of
+    the earlier offloads whose tokens are `after` (their tensors are `keep`, alive until then); with `wait`, for
+    this copy too."""
+    return transfer.offload(x, after, keep, wait)
 
 
 @offload.register_fake
-def _offload_fake(x):
-    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+def _offload_fake(x, after, keep, wait):
+    return torch.empty(1, dtype=torch.uint8, device=x.device)
 
 
-@torch.library.custom_op("graphopt::reload", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def reload(host: Tensor, device: torch.device, prefetch: list[Tensor]) -> Tensor:
-    """host's copy on device, once the compute stream may read it; then starts copying `prefetch` (host tensors
-    the backward reloads next) so they are there before they are needed."""
-    return transfer.reload(host, device, prefetch)
+@torch.library.custom_op("graphopt::reload", mutates_args=())
+def reload(token: Tensor, shape: list[int], dtype: torch.dtype, device: torch.device,
+           prefetch: list[Tensor]) -> Tensor:
+    """The tensor offloaded under `token`, back on device (of that shape and dtype), once the compute stream may
+    read it; then starts copying back the tensors of the tokens in `prefetch` (those the backward reloads next)
+    so they are there before they are needed."""
+    return transfer.reload(token, device, prefetch)
 
 
 @reload.register_fake
-def _reload_fake(host, device, prefetch):
-    return torch.empty(host.shape, dtype=host.dtype, device=device)
+def _reload_fake(token, shape, dtype, device, prefetch):
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 # --- copy_out_of_graph_pool: graph outputs that outlive a step, under CUDA graphs (passes/graph_pool.py) -----

@@ -9,8 +9,10 @@ Each saved activation is either offloaded or kept on the device with a reason th
 - kept: read by the first layer the backward runs (the last of the forward): its copy back would start as it
   is needed, with nothing to hide behind.
 Groups are decoder layers (the module path up to the ModuleList index). In the forward, each copy starts right
-after its tensor is written. In the backward, the first reload of a layer starts copying the next layer's
-tensors, so each layer's copies run under the compute of the layer before.
+after its tensor is written, and the next layer's first offload waits for it (taking the tensor as an input, so
+that Inductor keeps it until then). In the backward, the first reload of a layer starts copying the next layer's
+tensors, so each layer's copies run under the compute of the layer before. Kept too: a tensor of dynamic shape,
+whose reload must know its sizes when the graph is traced.
 Whether the copies are made is the target lowering's word (Lowering.offload_copies): on the CPU target the plan is
 made and reported, and the graphs are left as they are, since there is nowhere to move to.
 """
@@ -88,6 +90,8 @@ def plan_offload(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
             plan.kept[name] = "a view: its base stays on the device"
         elif not value.is_contiguous():
             plan.kept[name] = "not contiguous"
+        elif any(isinstance(size, torch.SymInt) for size in value.shape):
+            plan.kept[name] = "a dynamic shape: its reload must know its sizes when the graph is traced"
         elif size_hint(plan.sizes[name]) < size_hint(largest) * SMALL_FRACTION:
             plan.kept[name] = "small: under 1/64 of the largest saved activation"
         elif plan.groups[name] == first_group:
@@ -98,20 +102,32 @@ def plan_offload(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
 
 
 def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, plan: OffloadPlan) -> None:
-    """forward: graphopt::offload right after each chosen tensor is written, its host copy saved instead;
-    backward: graphopt::reload before its first reader, carrying the next layer's prefetch."""
+    """forward: graphopt::offload right after each chosen tensor is written, its token saved instead; the first
+    offload of each layer waits for the copies of the layer before (and keeps those tensors alive until then),
+    the last one for the copies still running. backward: graphopt::reload before each one's first reader,
+    carrying the next layer's prefetch."""
     chosen = set(plan.offloaded)
     output = forward.graph.find_nodes(op="output")[0]
     model_outputs, saved = output.args[0][:plan.num_fwd_outputs], output.args[0][plan.num_fwd_outputs:]
-    replaced = {}
-    for node in saved:
-        if isinstance(node, torch.fx.Node) and node.name in chosen and node not in replaced:
-            with forward.graph.inserting_after(node):
-                host = forward.graph.call_function(torch.ops.graphopt.offload.default, (node,))
-            _set_value(host, torch.ops.graphopt.offload.default(node.meta["val"]))  # the op's fake: on the host
-            host.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-            replaced[node] = host
-    output.args = (tuple(model_outputs) + tuple(replaced.get(n, n) for n in saved),) + tuple(output.args[1:])
+    in_order = [n for n in forward.graph.nodes if n.name in chosen and n in saved]
+    tokens, runs = {}, []  # runs: [(layer, [(tensor, token)])] in forward order
+    for i, node in enumerate(in_order):
+        layer = plan.groups[node.name]
+        if not runs or runs[-1][0] != layer:
+            runs.append((layer, []))
+        waits_for = runs[-2][1] if len(runs) > 1 and not runs[-1][1] else []  # the layer before, at a new layer
+        last = i == len(in_order) - 1
+        if last:
+            waits_for = waits_for + runs[-1][1]  # the last offload also waits for its own layer's
+        with forward.graph.inserting_after(node):
+            token = forward.graph.call_function(
+                torch.ops.graphopt.offload.default,
+                (node, [t for _, t in waits_for], [n for n, _ in waits_for], last))
+        _set_value(token, torch.ops.graphopt.offload.default(node.meta["val"], [], [], last))
+        token.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        runs[-1][1].append((node, token))
+        tokens[node] = token
+    output.args = (tuple(model_outputs) + tuple(tokens.get(n, n) for n in saved),) + tuple(output.args[1:])
 
     placeholders = {p.name: p for p in backward.graph.find_nodes(op="placeholder")}
     order = {node: i for i, node in enumerate(backward.graph.nodes)}
@@ -121,14 +137,15 @@ def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
     for name in plan.offloaded:
         placeholder = placeholders[name]
         value = placeholder.meta["val"]
-        _set_value(placeholder, torch.ops.graphopt.offload.default(value))
+        _set_value(placeholder, torch.ops.graphopt.offload.default(value, [], [], False))
         with backward.graph.inserting_before(first_user[name]):
             reload = backward.graph.call_function(
                 torch.ops.graphopt.reload.default,
-                (placeholder, value.device, [placeholders[n] for n in prefetch.get(name, [])]))
+                (placeholder, list(value.shape), value.dtype, value.device,
+                 [placeholders[n] for n in prefetch.get(name, [])]))
         _set_value(reload, value)
         reload.meta["nn_module_stack"] = placeholder.meta.get("nn_module_stack", {})
-        # every reader but the reloads, whose prefetch lists name the host copy itself
+        # every reader but the reloads, whose prefetch lists name the token itself
         placeholder.replace_all_uses_with(reload, delete_user_cb=lambda user: not is_reload(user))
     forward.graph.lint()
     backward.graph.lint()

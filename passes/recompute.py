@@ -68,8 +68,6 @@ class Partitioner(CustomPartitionerFn):
         # Under CUDA graphs: one bool per input of the compiled graph, True for a leaf that requires grad, whose
         # gradient becomes its .grad (passes/graph_pool.py); None without CUDA graphs
         self.leaf_inputs = leaf_inputs
-        # "auto" under a limit may turn offload on, but not under CUDA graphs: the two do not combine (options.py)
-        self.offload_allowed = leaf_inputs is None
 
     def __call__(self, joint, joint_inputs, **kwargs):
         if self.memory_budget == "auto":
@@ -97,7 +95,7 @@ class Partitioner(CustomPartitionerFn):
                                 "weights_bytes": self.weights_bytes if by_weights else None,
                                 "weights_multiple": WEIGHTS_MULTIPLE if by_weights else None,
                                 "limit_bytes": None if limit == math.inf else int(limit),
-                                "offload": offload, "offload_allowed": self.offload_allowed,
+                                "offload": offload,
                                 "fits": size_hint(estimate.peak) <= limit,
                                 "tried": [{"memory_budget": b, "offload": o, "estimated_peak_bytes": e}
                                           for b, o, e in tried]}
@@ -129,10 +127,9 @@ class Partitioner(CustomPartitionerFn):
 
     def _choose(self, joint, joint_inputs, kwargs):
         """memory_budget="auto": the fastest plan whose estimated peak fits the limit (_limit). The fastest is
-        budget 1; then the largest budget that fits (bisection); then, under max_memory_gib and without CUDA
-        graphs, budget 0 with offload.
+        budget 1; then the largest budget that fits (bisection); then, under max_memory_gib, budget 0 with offload.
         Nothing fits: the leanest plan there is (budget 0 on the device where offload is not taken: it is taken
-        only when asked for by a limit, and never under CUDA graphs), and the report says by how much it misses."""
+        only when asked for by a limit), and the report says by how much it misses."""
         limit, tried = self._limit(), []
 
         def attempt(budget, offload=False):
@@ -145,8 +142,7 @@ class Partitioner(CustomPartitionerFn):
             return best, tried
         lowest, fits = attempt(0.0)
         if not fits:
-            may_offload = self.max_memory_gib is not None and self.offload_allowed
-            return (attempt(0.0, offload=True)[0] if may_offload else lowest), tried
+            return (attempt(0.0, offload=True)[0] if self.max_memory_gib is not None else lowest), tried
         best, low, high = lowest, 0.0, 1.0
         for _ in range(AUTO_STEPS):
             middle = (low + high) / 2

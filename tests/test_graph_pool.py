@@ -21,14 +21,13 @@ from models import tiny_lora_model
 @pytest.mark.parametrize("target, dynamic, offload, training, on", [
     ("cuda", False, False, True, True),
     ("cuda", True, False, True, False),
-    ("cuda", False, True, True, False),
+    ("cuda", False, True, True, True),
     ("cuda", False, False, False, False),
     ("cpu", False, False, True, False),
     ("hip", False, False, True, False),
     ("mps", False, False, True, False),
 ])
-def test_auto_turns_cuda_graphs_on_for_static_training_graphs_on_nvidia_without_offload(target, dynamic, offload,
-                                                                                          training, on):
+def test_auto_turns_cuda_graphs_on_for_static_training_graphs_on_nvidia(target, dynamic, offload, training, on):
     lowering = lowering_for(target)  # the target's lowering says whether CUDA graphs were measured faster there
     got, why = cuda_graphs_decision(Options(offload=offload), lowering, dynamic, training)
     assert got is on and why.startswith('cuda_graphs="auto"')
@@ -145,18 +144,19 @@ def _bits(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("options", [{}, {"memory_budget": 0, "offload": True}], ids=["defaults", "lean"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_on_the_gpu_the_default_replays_cuda_graphs_and_accumulates_gradients_right(dtype, fresh_dynamo):
-    """The default options on a GPU: CUDA graphs recorded and replayed (none skipped); two steps of two
-    micro-batches each, the losses read after both steps, equal to the same compile without CUDA graphs (the same
-    kernels: to rounding), and in fp32 to eager."""
+def test_on_the_gpu_cuda_graphs_replay_and_accumulate_gradients_right(dtype, options, fresh_dynamo):
+    """The default options, and the lean mode whose copies to host memory are captured too, on a GPU: CUDA graphs
+    recorded and replayed (none skipped); two steps of two micro-batches each, the losses read after both steps,
+    equal to the same compile without CUDA graphs (the same kernels: to rounding), and in fp32 to eager."""
     model = tiny_lora_model("llama", dtype).cuda()
     batches = [torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(s)).cuda() for s in (1, 2)]
-    without = torch.compile(model, backend="graphopt", options={"cuda_graphs": False})
+    without = torch.compile(model, backend="graphopt", options={**options, "cuda_graphs": False})
     expected_losses, expected = accumulated(without, model, batches)
     torch._dynamo.reset()
     skips_before = counters["inductor"]["cudagraph_skips"]
-    compiled = torch.compile(model, backend="graphopt")
+    compiled = torch.compile(model, backend="graphopt", options=options)
     accumulated(compiled, model, batches)  # warm-up and recording
     losses, grads = accumulated(compiled, model, batches)  # replays
     assert graphopt.last_report().cuda_graphs["on"] is True

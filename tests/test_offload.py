@@ -46,14 +46,14 @@ def copies(monkeypatch):
     calls = {"offload": 0, "reload": 0, "prefetched": []}
     offload, reload = transfer.offload, transfer.reload
 
-    def counted_offload(x):
+    def counted_offload(x, after, keep, wait):
         calls["offload"] += 1
-        return offload(x)
+        return offload(x, after, keep, wait)
 
-    def counted_reload(host, device, prefetch):
+    def counted_reload(token, device, prefetch):
         calls["reload"] += 1
         calls["prefetched"].append(len(prefetch))
-        return reload(host, device, prefetch)
+        return reload(token, device, prefetch)
 
     monkeypatch.setattr(transfer, "offload", counted_offload)
     monkeypatch.setattr(transfer, "reload", counted_reload)
@@ -121,47 +121,87 @@ def test_budget_zero_offloads_the_layer_inputs(copies):
        transposed=st.booleans(), edge=st.sampled_from([0.0, float("inf"), float("-inf"), float("nan"), 1e-30]))
 def test_offload_and_reload_give_back_every_value(shape, dtype, transposed, edge):
     """A copy out and back is exact for every dtype, layout and edge value: the fp64 view of what comes back is
-    the fp64 view of what went out (NaN where NaN was); the host copy is contiguous and owns its memory."""
+    the fp64 view of what went out (NaN where NaN was), contiguous, in memory of its own; the forward keeps a
+    one-byte token on x's device, not the copy."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).to(dtype)
     x.view(-1)[0] = edge
     if transposed:
         x = x.transpose(0, -1)
-    host = torch.ops.graphopt.offload(x)
-    assert host.is_contiguous() and host.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-    back = torch.ops.graphopt.reload(host, torch.device("cpu"), [])
-    for copy in (host, back):
-        assert copy.shape == x.shape and copy.dtype == x.dtype
-        torch.testing.assert_close(copy.double(), x.double(), rtol=0, atol=0, equal_nan=True)
+    token = torch.ops.graphopt.offload(x, [], [], True)
+    assert token.shape == (1,) and token.dtype == torch.uint8 and token.device == x.device
+    x_before = x.clone()
+    x.fill_(7)  # the copy was taken when offload ran
+    back = torch.ops.graphopt.reload(token, list(x.shape), x.dtype, torch.device("cpu"), [])
+    assert back.shape == x.shape and back.dtype == x.dtype and back.is_contiguous()
+    torch.testing.assert_close(back.double(), x_before.double(), rtol=0, atol=0, equal_nan=True)
 
 
-def test_transfer_ops_pass_opcheck():
+def test_transfer_ops_pass_opcheck_and_their_fakes_match():
+    """opcheck calls an op several times over the same inputs, which a reload cannot take (its host buffer goes
+    back to the free ones): reload's fake is compared with it by hand, and a second reload is a clear error."""
     x = torch.randn(3, 5)
-    host = torch.ops.graphopt.offload(x)
-    assert torch.equal(host, x) and host.data_ptr() != x.data_ptr()
-    torch.library.opcheck(torch.ops.graphopt.offload.default, (x,))
-    torch.library.opcheck(torch.ops.graphopt.reload.default, (host, torch.device("cpu"), [host.clone()]))
+    torch.library.opcheck(torch.ops.graphopt.offload.default, (x, [], [], True))
+    token = torch.ops.graphopt.offload(x, [], [], True)
+    args = (token, [3, 5], x.dtype, torch.device("cpu"), [torch.ops.graphopt.offload(x + 1, [token], [x], False)])
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.graphopt.reload.default(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                   for a in args[:4]], [])
+    real = torch.ops.graphopt.reload.default(*args)
+    assert (fake.shape, fake.dtype, fake.device) == (real.shape, real.dtype, real.device) and torch.equal(real, x)
+    with pytest.raises(RuntimeError, match="already reloaded.*retain_graph=True.*without offload"):
+        torch.ops.graphopt.reload.default(*args)
 
 
-def test_transfer_ops_are_never_captured_in_cuda_graphs():
-    """Side streams, events and pinned memory cannot be captured: offload and CUDA graphs are never combined
-    (options.py), and the ops say so to Inductor, which splits its graphs around ops tagged cudagraph_unsafe."""
+def test_transfer_ops_are_captured_with_the_step():
+    """No host tensor crosses a graph's boundary and no op is cut out of the CUDA graphs: the copies are
+    captured with the rest of the step (lowering/transfer.py)."""
     for op in (torch.ops.graphopt.offload.default, torch.ops.graphopt.reload.default):
-        assert torch.Tag.cudagraph_unsafe in op.tags
+        assert torch.Tag.cudagraph_unsafe not in op.tags
+
+
+def test_each_layer_waits_for_the_copies_of_the_layer_before(copies):
+    """In the forward, the first offload of each layer takes the tokens and tensors of the layer before's (so
+    that Inductor keeps those tensors until their copies are waited for), the others nothing, and the last
+    offload waits for every copy still running: its own and its layer's."""
+    copies["force"]()
+    model = tiny_lora_model("llama", num_hidden_layers=4)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    seen = []
+    offload = transfer.offload
+
+    def watched(x, after, keep, wait):
+        token = offload(x, after, keep, wait)
+        seen.append((token, list(after), list(keep), wait))
+        return token
+
+    transfer.offload = watched
+    try:
+        compiled_loss_and_grads(model, ids, {"memory_budget": 0, "offload": True})
+    finally:
+        transfer.offload = offload
+    assert len(seen) >= 2  # budget 0: the inputs of all layers but the last
+    tokens = [token for token, *_ in seen]
+    for i, (_, after, keep, wait) in enumerate(seen):
+        assert wait is (i == len(seen) - 1)
+        assert len(after) == len(keep)
+        assert all(any(a is t for t in tokens[:i]) for a in after)  # earlier offloads only
+    assert sum(len(after) for _, after, _, _ in seen) == len(seen) - 1  # one offload a layer at budget 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copies to host memory and back need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_on_the_gpu_every_copy_goes_out_and_back_and_prefetches_arrive(arch, dtype, copies, monkeypatch):
-    """Real copies on the side stream: loss and gradients as without offload, in each step (the second reuses
-    pinned blocks), each offloaded tensor copied out and back once a step, and some reloads served by a prefetch.
-    Against the default compile without offload, which runs under CUDA graphs (offload leaves them off)."""
+    """Real copies on the side stream, run eagerly (cuda_graphs=False; under CUDA graphs: tests/test_graph_pool.py):
+    loss and gradients as without offload, in each step (the second reuses the pinned buffers), each offloaded
+    tensor copied out and back once a step, and some reloads served by a prefetch. Against the default compile
+    without offload, which runs under CUDA graphs."""
     served = []
     reload = transfer.reload
 
-    def watched(host, device, prefetch):
-        served.append(id(host) in transfer._prefetched)
-        return reload(host, device, prefetch)
+    def watched(token, device, prefetch):
+        served.append(token.data_ptr() in transfer._prefetched)
+        return reload(token, device, prefetch)
 
     monkeypatch.setattr(transfer, "reload", watched)
     model = tiny_lora_model(arch, dtype).cuda()
@@ -169,7 +209,8 @@ def test_on_the_gpu_every_copy_goes_out_and_back_and_prefetches_arrive(arch, dty
     for budget in (1, 0):
         expected = compiled_loss_and_grads(model, ids, {"memory_budget": budget})
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="graphopt", options={"memory_budget": budget, "offload": True})
+        compiled = torch.compile(model, backend="graphopt",
+                                 options={"memory_budget": budget, "offload": True, "cuda_graphs": False})
         for _ in range(2):
             copies["offload"] = copies["reload"] = 0
             model.zero_grad(set_to_none=True)
