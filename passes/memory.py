@@ -35,14 +35,16 @@ class MemoryEstimate:
                 "at_peak": self.at_peak}
 
 
-def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, offloaded=()) -> MemoryEstimate:
-    """offloaded: names of the saved tensors passes/offload.py moves to the host (backward placeholder names)."""
-    offloaded = set(offloaded)
+def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, offloaded=None) -> MemoryEstimate:
+    """offloaded: {name: name} of the saved tensors passes/offload.py moves to the host (backward placeholder
+    names), each to the forward node after which its device buffer is freed (passes/offload.py held_until)."""
+    offloaded = offloaded or {}
     inputs = [p for p in forward.graph.find_nodes(op="placeholder")]
     resident = sum((bytes_written(p) for p in inputs), 0)
     saved = [n for n in forward.graph.find_nodes(op="output")[0].args[0] if isinstance(n, torch.fx.Node)]
     kept = {n for n in saved if n.op != "placeholder" and n.name not in offloaded}
-    leaving = {n for n in saved if n.name in offloaded}
+    by_name = {n.name: n for n in forward.graph.nodes}
+    leaving = {n: by_name[offloaded[n.name]] for n in saved if n.name in offloaded}
     forward_peak, forward_live = walk_peak(forward, resident=resident, keep=kept, leaving=leaving)
     on_device = [p for p in backward.graph.find_nodes(op="placeholder")
                  if not p.name.startswith("primals") and p.name not in offloaded]
@@ -71,18 +73,21 @@ def _made_by(node):
 def walk_peak(gm, resident, keep=(), start=(), arriving=(), leaving=()):
     """(peak bytes over the graph's execution: resident + live buffers, the buffers live then). keep: never
     freed (saved for backward); start: live at the start, freed after their last reader; arriving: allocated
-    at their first reader; leaving: outputs that go to the host, freed after their last reader in the graph
-    (the output node's read is the copy out, made as soon as they are written)."""
+    at their first reader; leaving: {output that goes to the host: the node after which it is freed}, or freed
+    after its last reader in the graph, if later (the output node's read is the copy out)."""
     nodes = list(gm.graph.nodes)
     root = {}  # node → the node whose buffer it reads through (views, getitems)
     for node in nodes:
         source = _aliased(node)
         root[node] = root.get(source, source) if source is not None else node
     last_use = {}
+    index = {node: i for i, node in enumerate(nodes)}
     for i, node in enumerate(nodes):
         for arg in node.all_input_nodes:
             if not (node.op == "output" and arg in leaving):
                 last_use[root[arg]] = i
+    for node, holder in dict(leaving).items():  # kept until the offload that waits for its copy
+        last_use[root[node]] = max(last_use.get(root[node], 0), index[holder])
     keep = {root[node] for node in keep}
     fused = {node for node in nodes if _fused_away(node, keep)}
     for node in reversed(nodes):  # a fused node's inputs are read where its readers run

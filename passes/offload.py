@@ -101,31 +101,55 @@ def plan_offload(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
     return plan
 
 
+def layer_runs(forward: torch.fx.GraphModule, plan: OffloadPlan) -> list:
+    """The offloaded tensors' forward nodes in the order the forward writes them, as runs of one layer each:
+    [(layer, [node, ...]), ...]. The first offload of a run waits for the copies of the run before."""
+    chosen = set(plan.offloaded)
+    output = forward.graph.find_nodes(op="output")[0]
+    saved = set(output.args[0][plan.num_fwd_outputs:])
+    runs = []
+    for node in forward.graph.nodes:
+        if node.name in chosen and node in saved:
+            if not runs or runs[-1][0] != plan.groups[node.name]:
+                runs.append((plan.groups[node.name], []))
+            runs[-1][1].append(node)
+    return runs
+
+
+def held_until(forward: torch.fx.GraphModule, plan: OffloadPlan) -> dict:
+    """name → the offloaded tensor after whose offload its device buffer is freed (insert_transfers): the next
+    run's first, or for the last run, the forward's last offloaded tensor. For the memory estimate."""
+    runs = layer_runs(forward, plan)
+    until = {}
+    for (_, members), following in zip(runs, runs[1:] + [None]):
+        holder = following[1][0] if following else runs[-1][1][-1]
+        until.update({node.name: holder.name for node in members})
+    return until
+
+
 def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, plan: OffloadPlan) -> None:
     """forward: graphopt::offload right after each chosen tensor is written, its token saved instead; the first
     offload of each layer waits for the copies of the layer before (and keeps those tensors alive until then),
     the last one for the copies still running. backward: graphopt::reload before each one's first reader,
     carrying the next layer's prefetch."""
-    chosen = set(plan.offloaded)
     output = forward.graph.find_nodes(op="output")[0]
     model_outputs, saved = output.args[0][:plan.num_fwd_outputs], output.args[0][plan.num_fwd_outputs:]
-    in_order = [n for n in forward.graph.nodes if n.name in chosen and n in saved]
-    tokens, runs = {}, []  # runs: [(layer, [(tensor, token)])] in forward order
-    for i, node in enumerate(in_order):
-        layer = plan.groups[node.name]
-        if not runs or runs[-1][0] != layer:
-            runs.append((layer, []))
-        waits_for = runs[-2][1] if len(runs) > 1 and not runs[-1][1] else []  # the layer before, at a new layer
+    in_order = [(run, node) for run, (_, members) in enumerate(layer_runs(forward, plan)) for node in members]
+    tokens, runs = {}, []  # runs: [[(tensor, token)]] in forward order, as made
+    for i, (run, node) in enumerate(in_order):
+        if run == len(runs):
+            runs.append([])
+        waits_for = runs[-2] if len(runs) > 1 and not runs[-1] else []  # the layer before, at a new layer
         last = i == len(in_order) - 1
         if last:
-            waits_for = waits_for + runs[-1][1]  # the last offload also waits for its own layer's
+            waits_for = waits_for + runs[-1]  # the last offload also waits for its own layer's
         with forward.graph.inserting_after(node):
             token = forward.graph.call_function(
                 torch.ops.graphopt.offload.default,
                 (node, [t for _, t in waits_for], [n for n, _ in waits_for], last))
         _set_value(token, torch.ops.graphopt.offload.default(node.meta["val"], [], [], last))
         token.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-        runs[-1][1].append((node, token))
+        runs[-1].append((node, token))
         tokens[node] = token
     output.args = (tuple(model_outputs) + tuple(tokens.get(n, n) for n in saved),) + tuple(output.args[1:])
 

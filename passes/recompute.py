@@ -113,7 +113,7 @@ class Partitioner(CustomPartitionerFn):
             graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         plan = (offload_pass.plan_offload(*graphs, kwargs["num_fwd_outputs"], self.offload_copies)
                 if offload else None)
-        estimate = estimate_peak(*graphs, offloaded=plan.offloaded if plan else ())
+        estimate = estimate_peak(*graphs, offloaded=offload_pass.held_until(graphs[0], plan) if plan else {})
         return budget, offload, graphs, plan, estimate
 
     def _limit(self):
