@@ -22,7 +22,8 @@ On the CPU both are plain copies (the pipeline inserts them only for accelerator
 import torch
 
 _side_streams = {}
-_free_buffers = {}  # (shape, dtype) → pinned host buffers no saved tensor holds
+_free_buffers = {}  # (device, shape, dtype) → pinned host buffers no saved tensor holds (per device: each device's
+# side stream orders the copies in and out of its buffers)
 _host_of = {}  # token address → the host buffer holding its tensor
 _copy_done = {}  # token address → the event after its copy out
 _prefetched = {}  # token address → (device tensor, event after its copy in, prefetch batch)
@@ -71,7 +72,7 @@ def reload(token: torch.Tensor, device: torch.device, prefetch: list) -> torch.T
 
 
 def _take_buffer(x):
-    free = _free_buffers.setdefault((tuple(x.shape), x.dtype), [])
+    free = _free_buffers.setdefault((x.device, tuple(x.shape), x.dtype), [])
     if free:
         return free.pop()
     if torch.cuda.is_current_stream_capturing():
@@ -88,7 +89,7 @@ def _release(token):
     graph being recorded, whose replays write and read it."""
     if not torch.cuda.is_current_stream_capturing():
         host = _host_of.pop(token.data_ptr())
-        _free_buffers[(tuple(host.shape), host.dtype)].append(host)
+        _free_buffers[(token.device, tuple(host.shape), host.dtype)].append(host)
 
 
 def _start_prefetch(tokens, device):
