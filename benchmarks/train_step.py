@@ -367,10 +367,16 @@ def run(args):
 
     # Warm-up: compilation, autotuning and the optimizer's state allocation happen here, outside the timing.
     first_loss = None
+    warmup_peaks = []  # allocated, per warm-up step
     for _ in range(args.warmup):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         loss = train_step(forward, optimizer, input_ids)
         if first_loss is None:
             first_loss = loss.item()
+        if device.type == "cuda":
+            synchronize(device)
+            warmup_peaks.append(torch.cuda.max_memory_allocated(device))
     if args.variant == "graphopt":
         import graphopt
 
@@ -424,6 +430,10 @@ def run(args):
         # graphopt's estimate of what its compiled graphs hold at their peak (the report's), beside the measure
         "estimated_peak_gib": estimated_peak / 2**30 if isinstance(estimated_peak, int) else estimated_peak,
         "peak_reserved_gib": peak_reserved / 2**30 if peak_reserved is not None else None,
+        # Under CUDA graphs, the allocated peak of the warm-up steps after the first (compile) step: one of them
+        # records the graphs, allocating in their pool what every replay reuses, so this is the allocated peak
+        # comparable to the other variants' (graph trees record in the second call: --warmup 2 or more).
+        "recording_peak_alloc_gib": max(warmup_peaks[1:]) / 2**30 if graphs and len(warmup_peaks) > 1 else None,
         "first_loss": first_loss,
         "loss": loss.item(),
         "trainable_params": sum(p.numel() for p in trainable),
@@ -447,7 +457,9 @@ def run(args):
 def describe(r):
     memory = "n/a" if r["peak_alloc_gib"] is None else \
         f"{r['peak_alloc_gib']:.2f} GiB (reserved {r['peak_reserved_gib']:.2f} GiB)" + \
-        (", CUDA graphs: compare reserved" if r["cuda_graphs"] else "")
+        (", CUDA graphs: compare reserved" if r["cuda_graphs"] else "") + \
+        (f"; allocated while recording them {r['recording_peak_alloc_gib']:.2f} GiB"
+         if r.get("recording_peak_alloc_gib") is not None else "")
     return (f"{r['variant']} {r['options'] or ''}: {r['shape']} batch {r['batch']} seq {r['seq']} {r['dtype']} on {r['device_name']}: "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, peak {memory}, "
             f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}{_describe_host(r)}")
