@@ -33,7 +33,8 @@ def main():
     x, w = torch.randn(8, 32, dtype=dtype), torch.randn(48, 32, dtype=dtype)
     a, b, g = torch.randn(16, 32), torch.randn(48, 16), torch.randn(8, 48, dtype=dtype)
     matmul = per_call_us(lambda: torch.nn.functional.linear(x, w))
-    norm_w, q, k = torch.randn(32, dtype=dtype), torch.randn(1, 4, 8, 16, dtype=dtype), torch.randn(1, 2, 8, 16, dtype=dtype)
+    norm_w = torch.randn(32, dtype=dtype)
+    q, k = torch.randn(1, 4, 8, 16, dtype=dtype), torch.randn(1, 2, 8, 16, dtype=dtype)
     cos, sin = torch.randn(1, 8, 16, dtype=dtype), torch.randn(1, 8, 16, dtype=dtype)
     head, target = torch.randn(8, 32, dtype=dtype), torch.randint(0, 48, (8,))
     rows = [

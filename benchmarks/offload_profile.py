@@ -23,5 +23,7 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
     torch.cuda.synchronize()
 for e in sorted(prof.key_averages(), key=lambda e: -e.cpu_time_total):
     k = e.key.lower()
-    if any(s in k for s in ("synchronize", "hostalloc", "malloc", "cudafree", "memcpy", "graphopt::offload", "graphopt::reload", "eventsync", "streamwait")):
-        print(f"  {e.key[:60]:<60} count {e.count // 2:>5} cpu {e.cpu_time_total / 2000:8.2f} ms/step  device {e.device_time_total / 2000:8.2f} ms/step")
+    if any(s in k for s in ("synchronize", "hostalloc", "malloc", "cudafree", "memcpy", "graphopt::offload",
+                            "graphopt::reload", "eventsync", "streamwait")):
+        print(f"  {e.key[:60]:<60} count {e.count // 2:>5} cpu {e.cpu_time_total / 2000:8.2f} ms/step  "
+              f"device {e.device_time_total / 2000:8.2f} ms/step")

@@ -22,14 +22,18 @@ def run(expand, backends):
     torch.cuda.synchronize(); return (time.perf_counter() - t) / 10 * 1000
 ALL = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 for name, expand, backends in [("default gqa", False, ALL), ("cudnn gqa", False, [SDPBackend.CUDNN_ATTENTION]),
-                               ("flash gqa", False, [SDPBackend.FLASH_ATTENTION]), ("efficient gqa", False, [SDPBackend.EFFICIENT_ATTENTION]),
+                               ("flash gqa", False, [SDPBackend.FLASH_ATTENTION]),
+                               ("efficient gqa", False, [SDPBackend.EFFICIENT_ATTENTION]),
                                ("default expanded", True, ALL), ("flash expanded", True, [SDPBackend.FLASH_ATTENTION]),
                                ("cudnn expanded", True, [SDPBackend.CUDNN_ATTENTION])]:
     try:
-        print(f"{name:18} {run(expand, backends):7.2f} ms fwd+bwd per layer (x16 = {16 * run(expand, backends):6.1f} ms/step)", flush=True)
+        ms = run(expand, backends)
+        print(f"{name:18} {ms:7.2f} ms fwd+bwd per layer (x16 = {16 * ms:6.1f} ms/step)", flush=True)
     except Exception as e:
         print(f"{name:18} unavailable: {str(e)[:120]}")
 from torch.profiler import profile, ProfilerActivity
 with profile(activities=[ProfilerActivity.CUDA]) as p:
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True); o.backward(g); torch.cuda.synchronize()
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    o.backward(g)
+    torch.cuda.synchronize()
 print("default picks:", sorted({e.key[:70] for e in p.key_averages() if e.device_type.name == "CUDA"}))

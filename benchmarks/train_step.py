@@ -345,7 +345,8 @@ def print_memory_at_peak(forward, optimizer, input_ids, device, top=30):
         key = (event["size"], origin(event))
         groups[key] = groups.get(key, 0) + 1
     print(f"\nallocated at the step's peak: {peak / 2**20:,.1f} MiB ({start / 2**20:,.1f} MiB before the step, "
-          f"{sum(e['size'] for e in at_peak.values()) / 2**20:,.1f} MiB allocated in it and live then)", file=sys.stderr)
+          f"{sum(e['size'] for e in at_peak.values()) / 2**20:,.1f} MiB allocated in it and live then)",
+          file=sys.stderr)
     for (size, where), count in sorted(groups.items(), key=lambda kv: -kv[0][0] * kv[1])[:top]:
         print(f"  {count:>3} × {size / 2**20:9.1f} MiB  {where}", file=sys.stderr)
 
@@ -460,7 +461,8 @@ def describe(r):
         (", CUDA graphs: compare reserved" if r["cuda_graphs"] else "") + \
         (f"; allocated while recording them {r['recording_peak_alloc_gib']:.2f} GiB"
          if r.get("recording_peak_alloc_gib") is not None else "")
-    return (f"{r['variant']} {r['options'] or ''}: {r['shape']} batch {r['batch']} seq {r['seq']} {r['dtype']} on {r['device_name']}: "
+    return (f"{r['variant']} {r['options'] or ''}: {r['shape']} batch {r['batch']} seq {r['seq']} {r['dtype']} "
+            f"on {r['device_name']}: "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, peak {memory}, "
             f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}{_describe_host(r)}")
 

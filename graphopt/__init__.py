@@ -6,4 +6,5 @@ from graphopt.options import OptionError, Options
 from graphopt.report import Record, Report, last_report, record_measured_peak, reports
 
 __version__ = "0.1.0"
-__all__ = ["LogitsNotMaterialized", "LogitsNotMaterializedError", "OptionError", "Options", "Record", "Report", "last_report", "record_measured_peak", "reports", "__version__"]
+__all__ = ["LogitsNotMaterialized", "LogitsNotMaterializedError", "OptionError", "Options", "Record", "Report",
+           "last_report", "record_measured_peak", "reports", "__version__"]

@@ -121,7 +121,8 @@ def _transfer_test(device: Device):
         return "offload/reload", "unavailable", f"{type(failure).__name__}: {str(failure).splitlines()[0][:120]}"
     copies = registry.lowering_for(device.target).offload_copies
     detail = "pinned host memory, side stream" if copies else "plan reported only (activations are in host memory)"
-    return ("offload/reload", "supported" if same else "unavailable", detail if same else "the copy came back different")
+    return ("offload/reload", "supported" if same else "unavailable",
+            detail if same else "the copy came back different")
 
 
 def run(stream=sys.stdout) -> int:

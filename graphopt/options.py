@@ -83,7 +83,8 @@ def parse_options(raw: dict, fusion_names) -> Options:
         raise OptionError(f"keep_logits must be True or False, got {keep_logits!r}")
     if not isinstance(cache_grad, bool):
         raise OptionError(f"cache_grad must be True or False, got {cache_grad!r}")
-    memory_budget, max_memory_gib = _memory_budget(raw.get("memory_budget", DEFAULT_MEMORY_BUDGET), raw.get("max_memory_gib"))
+    memory_budget, max_memory_gib = _memory_budget(raw.get("memory_budget", DEFAULT_MEMORY_BUDGET),
+                                                   raw.get("max_memory_gib"))
     offload = raw.get("offload", False)
     if not isinstance(offload, bool):
         raise OptionError(f"offload must be True or False, got {offload!r}")

@@ -34,7 +34,8 @@ def check_rms_norm(x, weight, compute_weight_grad=False):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
     if weight is not None:
         torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1],
-                     lambda: f"rms_norm: weight of shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
+                     lambda: f"rms_norm: weight of shape {tuple(weight.shape)} does not match hidden size "
+                             f"{x.shape[-1]}")
     torch._check(weight is not None or not compute_weight_grad,
                  lambda: "rms_norm_backward: compute_weight_grad=True needs a weight")
 

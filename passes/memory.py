@@ -61,7 +61,8 @@ def estimate_peak(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
 
 def _largest(graph, live, count=5):
     ranked = sorted(live, key=lambda node: size_hint(bytes_written(node)), reverse=True)[:count]
-    return [{"graph": graph, "node": node.name, "op": _made_by(node), "bytes": plain(bytes_written(node))} for node in ranked]
+    return [{"graph": graph, "node": node.name, "op": _made_by(node), "bytes": plain(bytes_written(node))}
+            for node in ranked]
 
 
 def _made_by(node):

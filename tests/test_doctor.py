@@ -130,7 +130,8 @@ def test_falls_back_to_the_cpu(monkeypatch):
 def test_torch_npu_absent_or_broken_is_no_npu(installed, monkeypatch):
     find_spec = devices.importlib.util.find_spec
     monkeypatch.setattr(devices.importlib.util, "find_spec",
-                        lambda name, *a: (object() if installed else None) if name == "torch_npu" else find_spec(name, *a))
+                        lambda name, *a: (object() if installed else None) if name == "torch_npu"
+                        else find_spec(name, *a))
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # importing it raises, as without CANN
     assert devices._npu_available() is False
 

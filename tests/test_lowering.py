@@ -72,4 +72,5 @@ def test_demo_runs_and_prints_the_report():
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr
     assert "step   2  loss" in result.stdout
-    assert "fusions (46): rms_norm ×9, rope ×4, swiglu ×4, lora ×28, linear_cross_entropy ×1" in result.stdout and "misses (0)" in result.stdout
+    assert "fusions (46): rms_norm ×9, rope ×4, swiglu ×4, lora ×28, linear_cross_entropy ×1" in result.stdout
+    assert "misses (0)" in result.stdout
