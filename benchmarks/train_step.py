@@ -397,13 +397,17 @@ def run(args):
     # CUDA graph replays allocate nothing the allocator counts as allocated: their memory pool shows as reserved
     graphs = args.variant == "graphopt" and bool((graphopt.last_report().cuda_graphs or {}).get("on"))
     peak = peak_reserved if graphs else peak_alloc
+    # Under CUDA graphs, the allocated peak of the steps after the first (compile) step: the second records the
+    # graphs, allocating in their pool what every replay reuses, so this is the allocated peak comparable to the
+    # other variants'.
+    recording_peak = max(warmup_peaks[1:] + [peak_alloc]) if graphs else None
     estimated_peak = memory_budget = None
     if args.variant == "graphopt" and graphopt.last_report().saved_for_backward:
         memory_budget = graphopt.last_report().saved_for_backward["memory_budget"]  # the one used, default or chosen
         estimate = graphopt.last_report().saved_for_backward["estimate"]
         estimated_peak = estimate["estimated_peak_bytes"]
-        if peak is not None:
-            graphopt.record_measured_peak(peak)
+        if peak is not None:  # what the estimate counts is allocated memory
+            graphopt.record_measured_peak(recording_peak if graphs else peak_alloc)
             print(next(line for line in graphopt.last_report().to_text().splitlines() if "estimated peak" in line),
                   file=sys.stderr)
     if args.profile:
@@ -431,10 +435,7 @@ def run(args):
         # graphopt's estimate of what its compiled graphs hold at their peak (the report's), beside the measure
         "estimated_peak_gib": estimated_peak / 2**30 if isinstance(estimated_peak, int) else estimated_peak,
         "peak_reserved_gib": peak_reserved / 2**30 if peak_reserved is not None else None,
-        # Under CUDA graphs, the allocated peak of the warm-up steps after the first (compile) step: one of them
-        # records the graphs, allocating in their pool what every replay reuses, so this is the allocated peak
-        # comparable to the other variants' (graph trees record in the second call: --warmup 2 or more).
-        "recording_peak_alloc_gib": max(warmup_peaks[1:]) / 2**30 if graphs and len(warmup_peaks) > 1 else None,
+        "recording_peak_alloc_gib": recording_peak / 2**30 if recording_peak is not None else None,
         "first_loss": first_loss,
         "loss": loss.item(),
         "trainable_params": sum(p.numel() for p in trainable),
