@@ -115,7 +115,8 @@ def self_test(device: Device, dtype: torch.dtype, lowering) -> list:
 def _transfer_test(device: Device):
     x = torch.randn(64, 64, device=device.torch_device)
     try:
-        back = torch.ops.graphopt.reload(torch.ops.graphopt.offload(x), device.torch_device, [])
+        token = torch.ops.graphopt.offload(x, [], [], True)
+        back = torch.ops.graphopt.reload(token, list(x.shape), x.dtype, device.torch_device, [])
         same = torch.equal(back, x)
     except Exception as failure:
         return "offload/reload", "unavailable", f"{type(failure).__name__}: {str(failure).splitlines()[0][:120]}"
