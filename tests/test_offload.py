@@ -159,6 +159,30 @@ def test_transfer_ops_are_captured_with_the_step():
         assert torch.Tag.cudagraph_unsafe not in op.tags
 
 
+def test_a_capture_takes_only_buffers_pinned_before_it_and_keeps_them(monkeypatch):
+    """Under a CUDA graph capture nothing can be pinned: an offload takes a free host buffer or raises, naming the
+    fix; and a reload leaves the buffer to the graph being recorded, whose replays write and read it. Outside a
+    capture the reload frees it for the next offload of its shape. (The bookkeeping of lowering/transfer.py's GPU
+    path, run on the CPU with the capture stubbed.)"""
+    monkeypatch.setattr(transfer, "_free_buffers", {})
+    monkeypatch.setattr(transfer, "_host_of", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x = torch.randn(3, 5)
+    with pytest.raises(RuntimeError, match=r"no host buffer of shape \(3, 5\).*pinned before this capture.*"
+                                           r"one forward at a time.*'cuda_graphs': False"):
+        transfer._take_buffer(x)
+    key, pinned = (x.device, (3, 5), x.dtype), torch.empty(3, 5)
+    transfer._free_buffers[key] = [pinned]
+    assert transfer._take_buffer(x) is pinned and transfer._free_buffers[key] == []
+    token = torch.zeros(1, dtype=torch.uint8)
+    transfer._host_of[token.data_ptr()] = pinned
+    transfer._release(token)
+    assert transfer._host_of[token.data_ptr()] is pinned and transfer._free_buffers[key] == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    transfer._release(token)
+    assert token.data_ptr() not in transfer._host_of and transfer._free_buffers[key] == [pinned]
+
+
 def test_each_layer_waits_for_the_copies_of_the_layer_before(copies):
     """In the forward, the first offload of each layer takes the tokens and tensors of the layer before's (so
     that Inductor keeps those tensors until their copies are waited for), the others nothing, and the last
