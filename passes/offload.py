@@ -117,8 +117,9 @@ def layer_runs(forward: torch.fx.GraphModule, plan: OffloadPlan) -> list:
 
 
 def held_until(forward: torch.fx.GraphModule, plan: OffloadPlan) -> dict:
-    """name → the offloaded tensor after whose offload its device buffer is freed (insert_transfers): the next
-    run's first, or for the last run, the forward's last offloaded tensor. For the memory estimate."""
+    """name → the offloaded tensor whose offload waits for its copy, after which its device buffer is freed: the
+    next run's first, or for the last run, the forward's last offloaded tensor. The one rule that
+    insert_transfers builds the waits from and the memory estimate frees by."""
     runs = layer_runs(forward, plan)
     until = {}
     for (_, members), following in zip(runs, runs[1:] + [None]):
@@ -134,22 +135,19 @@ def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
     carrying the next layer's prefetch."""
     output = forward.graph.find_nodes(op="output")[0]
     model_outputs, saved = output.args[0][:plan.num_fwd_outputs], output.args[0][plan.num_fwd_outputs:]
-    in_order = [(run, node) for run, (_, members) in enumerate(layer_runs(forward, plan)) for node in members]
-    tokens, runs = {}, []  # runs: [[(tensor, token)]] in forward order, as made
-    for i, (run, node) in enumerate(in_order):
-        if run == len(runs):
-            runs.append([])
-        waits_for = runs[-2] if len(runs) > 1 and not runs[-1] else []  # the layer before, at a new layer
-        last = i == len(in_order) - 1
-        if last:
-            waits_for = waits_for + runs[-1]  # the last offload also waits for its own layer's
+    in_order = [node for _, members in layer_runs(forward, plan) for node in members]
+    held_by = {}  # holder name → the earlier offloaded tensors it waits for (held_until: one rule for both)
+    for name, holder in held_until(forward, plan).items():
+        held_by.setdefault(holder, []).append(name)
+    tokens = {}
+    for node in in_order:
+        waits_for = [n for n in in_order if n.name in held_by.get(node.name, ()) and n is not node]
+        last = node is in_order[-1]  # also waits for its own copy
         with forward.graph.inserting_after(node):
             token = forward.graph.call_function(
-                torch.ops.graphopt.offload.default,
-                (node, [t for _, t in waits_for], [n for n, _ in waits_for], last))
+                torch.ops.graphopt.offload.default, (node, [tokens[n] for n in waits_for], waits_for, last))
         _set_value(token, torch.ops.graphopt.offload.default(node.meta["val"], [], [], last))
         token.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-        runs[-1].append((node, token))
         tokens[node] = token
     output.args = (tuple(model_outputs) + tuple(tokens.get(n, n) for n in saved),) + tuple(output.args[1:])
 
