@@ -378,6 +378,45 @@ def _copy_out_of_graph_pool_fake(xs):
     return [torch.empty_like(x) for x in xs]
 
 
+# --- autocast: the ops compute what eager computes under torch.autocast ---------------------------------------
+
+# A custom op is opaque to torch.autocast: without a rule it sees its inputs as they come, so a LoRA linear of an
+# fp32 base under bf16 autocast would meet a bf16 input and an fp32 weight. Eager PEFT runs every matmul of the
+# layer in the autocast dtype (x.to(adapter dtype) is cast back down by autocast's linear), and HF's lm_head too
+# before its logits.float(): so these ops take every floating input in the autocast dtype, as autocast's own
+# linear would, and their gradients flow back through those casts to the fp32 parameters as eager's do. The
+# other ops need no rule: RMSNorm upcasts to fp32 itself and the gated activation and RoPE contain no op that
+# autocast changes (a rotation that eager promotes to fp32 is cast up by passes/fuse_rope.py). The dtype is read at
+# each call, so bf16 and fp16 autocast both hold, on every device type that has autocast.
+AUTOCAST_OPS = ("lora_linear", "linear_cross_entropy")
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "privateuseone")  # privateuseone: Ascend's npu
+
+
+def _autocast_kernel(op, dispatch_key):
+    excluded = torch._C.DispatchKeySet(dispatch_key)
+
+    def kernel(_keyset, *args):
+        device_type = next(a.device.type for a in args if isinstance(a, Tensor))
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(a):
+            eligible = isinstance(a, Tensor) and a.is_floating_point() and a.dtype != torch.float64
+            return a.to(dtype) if eligible and a.device.type == device_type else a
+
+        with torch._C._ExcludeDispatchKeyGuard(excluded):
+            return op(*map(cast, args))
+
+    return kernel
+
+
+_AUTOCAST_LIBRARY = torch.library.Library("graphopt", "IMPL")
+for _name in AUTOCAST_OPS:
+    for _device in filter(torch.amp.is_autocast_available, _AUTOCAST_DEVICES):
+        _key = "Autocast" + torch._C._dispatch_key_for_device(_device)
+        _AUTOCAST_LIBRARY.impl(_name, _autocast_kernel(getattr(torch.ops.graphopt, _name).default,
+                                                       getattr(torch._C.DispatchKey, _key)), _key, with_keyset=True)
+
+
 # Forward op → its backward op, for the report and the lowerings.
 BACKWARD_OF = {
     torch.ops.graphopt.rms_norm.default: torch.ops.graphopt.rms_norm_backward.default,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, value
+from graphopt.passes.match import FUSABLE_DTYPES, autocast_regions, is_call, is_cast, is_scalar, is_tensor, value
 from graphopt.report import record_for
 
 PATTERN = "linear_cross_entropy"
@@ -75,7 +75,7 @@ def _loss_arguments(ce: Node) -> dict:
     return args
 
 
-def _match(ce: Node):
+def _match(ce: Node, autocast_regions: dict):
     args = _loss_arguments(ce)
     scores, target = args["input"], args["target"]
     if not (is_tensor(scores) and is_tensor(target)) or value(scores).dim() != 2 or value(target).dim() != 1:
@@ -97,7 +97,9 @@ def _match(ce: Node):
 
     hidden, weight, bias = (list(lm_head.args) + [lm_head.kwargs.get("bias")] * 3)[:3]
     h, w, rows = value(hidden), value(weight), value(scores).shape[0]
-    if h.dtype not in FUSABLE_DTYPES or h.dtype != w.dtype:
+    # under autocast both are cast to its dtype, by autocast's linear in eager and by the op's autocast rule here
+    cast = autocast_regions[lm_head].get(h.device.type)
+    if h.dtype not in FUSABLE_DTYPES or w.dtype not in FUSABLE_DTYPES or (h.dtype != w.dtype and cast is None):
         raise Miss(f"lm_head input {h.dtype} and weight {w.dtype} are not one float32/bfloat16/float16 dtype")
     if not statically_known_true(math.prod(h.shape[:-1]) == rows) or value(node).shape[-1] != value(scores).shape[1]:
         raise Miss("the loss rows are not the lm_head's rows flattened in order")
@@ -111,9 +113,10 @@ def _match(ce: Node):
 def fuse_linear_ce(gm: GraphModule, report) -> int:
     """Replace each matched lm_head + loss with one graphopt::linear_cross_entropy node; record fusions and misses."""
     fused = 0
+    regions = autocast_regions(gm.graph)
     for ce in [n for n in gm.graph.nodes if is_call(n, F.cross_entropy)]:
         try:
-            m = _match(ce)
+            m = _match(ce, regions)
             training = m["grad_hidden"] or m["grad_weight"]
             if not training and len(m["logits"].users) > 1:
                 raise Miss("no gradients (evaluation) and the logits are returned: the loss is cheapest computed "

@@ -160,8 +160,8 @@ def _check(x: Node, cos, sin, end: Node, rot):
         raise Miss("cos/sin require grad: the fused op gives them no gradient")
     if q.dtype not in FUSABLE_DTYPES or c.dtype not in FUSABLE_DTYPES or c.dtype != s.dtype:
         raise Miss(f"q/k {q.dtype}, cos {c.dtype}, sin {s.dtype}: not float32/bfloat16/float16 with one cos/sin dtype")
-    if out.dtype != q.dtype:
-        raise Miss(f"cos/sin {c.dtype} promote the {q.dtype} rotation to {out.dtype}; the op keeps q's dtype")
+    if out.dtype != torch.promote_types(q.dtype, c.dtype):
+        raise Miss(f"the {q.dtype} rotation by {c.dtype} cos/sin gives {out.dtype}, not their promoted dtype")
 
 
 def _pairs(gm: GraphModule, rotations, report):
@@ -187,6 +187,14 @@ def _pairs(gm: GraphModule, rotations, report):
                 yield a, b
 
 
+def _cast(gm: GraphModule, x: Node, dtype: torch.dtype) -> Node:
+    if value(x).dtype == dtype:
+        return x
+    cast = gm.graph.call_method("to", (x, dtype))
+    cast.meta = dict(x.meta, example_value=torch.empty_like(value(x), dtype=dtype))
+    return cast
+
+
 def _contiguous(fake):
     return torch.empty_like(fake, memory_format=torch.contiguous_format)
 
@@ -202,7 +210,10 @@ def fuse_rope(gm: GraphModule, report) -> int:
     fused = 0
     for q, k in list(_pairs(gm, rotations, report)):
         with gm.graph.inserting_before(q.end):
-            op = gm.graph.call_function(torch.ops.graphopt.rope.default, (q.x, k.x, q.cos, q.sin))
+            # cos/sin of a wider dtype promote the rotation (fp32 cos/sin on bf16 q under autocast): the op, which
+            # keeps q's dtype, gets q and k cast up, so it computes and returns what eager's promotion does
+            xs = [_cast(gm, r.x, value(r.end).dtype) for r in (q, k)]
+            op = gm.graph.call_function(torch.ops.graphopt.rope.default, (*xs, q.cos, q.sin))
             outputs = [gm.graph.call_function(operator.getitem, (op, i)) for i in range(2)]
         op.meta = dict(q.end.meta, example_value=tuple(_contiguous(value(r.end)) for r in (q, k)))
         for r, out in zip((q, k), outputs):

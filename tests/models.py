@@ -20,14 +20,18 @@ def rms_norm_modules(model) -> int:
     return sum(1 for m in model.modules() if "rmsnorm" in type(m).__name__.lower())
 
 
-def tiny_lora_model(arch: str, dtype=torch.float32, seed: int = 0, **overrides):
+def tiny_lora_model(arch: str, dtype=torch.float32, seed: int = 0, adapter_dtype=torch.float32, lora_dropout=0.0,
+                    **overrides):
+    """The adapters in fp32 whatever the base's dtype (PEFT's default), or in the base's dtype when adapter_dtype
+    is None (PEFT's autocast_adapter_dtype=False)."""
     config_cls, model_cls, extra = ARCHITECTURES[arch]
     torch.manual_seed(seed)
     config = config_cls(**{**COMMON, **extra, **overrides})
     model = model_cls(config).to(dtype)
     # init_lora_weights=False: B starts random, not zero, so every LoRA gradient is non-zero and comparable.
-    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
-    return peft.get_peft_model(model, lora)
+    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False,
+                           lora_dropout=lora_dropout)
+    return peft.get_peft_model(model, lora, autocast_adapter_dtype=adapter_dtype is not None)
 
 
 def adapted_layers(model):
