@@ -223,6 +223,21 @@ def test_pass_fuses_any_shape_with_unchanged_numbers(q_k_heads, head_dim, rotary
     assert relative_error(first_output(gm, example), expected) <= tolerance
 
 
+@pytest.mark.parametrize("rotary", [16, 8])
+def test_cos_sin_that_promote_the_rotation_fuse_with_q_and_k_cast_up(rotary):
+    """bf16 q and k rotated by fp32 cos/sin (an fp32 model under bf16 autocast: the projections are bf16, HF's cos
+    and sin take the fp32 hidden states' dtype) give fp32 in eager: the op gets q and k cast up and computes the
+    same fp32 rotation."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, h, 5, 16, generator=g).to(torch.bfloat16) for h in (4, 2))
+    cos, sin = (torch.randn(1, 5, rotary, generator=g) for _ in range(2))
+    gm, example, expected, report, fused = run_pass(fuse_rope, apply_rope, q, k, cos, sin)
+    assert fused == 1 and report.misses == []
+    out = first_output(gm, example)
+    assert out.dtype == expected.dtype == torch.float32
+    assert relative_error(out, expected) <= 1e-6
+
+
 def lone_q(q, k, cos, sin):
     return torch.cat([_rope_full(q, cos.unsqueeze(1), sin.unsqueeze(1)), k], dim=1)
 
@@ -272,7 +287,6 @@ def flat_rope(q, k, cos, sin):  # q and k of different batch sizes (one output t
     (apply_rope, {"cos_seq": 1}, ["do not broadcast as [batch or 1, seq, 16]"] * 2),
     (apply_rope, {"cos_requires_grad": True}, ["require grad"] * 2),
     (apply_rope, {"dtype": torch.float64}, ["not float32/bfloat16/float16"] * 2),
-    (apply_rope, {"dtype": torch.bfloat16, "cos_dtype": torch.float32}, ["promote"] * 2),
 ])
 def test_unprovable_rotations_stay_unfused_with_a_reason(model, change, reasons):
     g = torch.Generator().manual_seed(0)
