@@ -360,8 +360,12 @@ def _add_low_rank(base, xa, weight, stride_wn, stride_wr, scale, out_dtype, roun
 
 def supported(x, weight, lora_a, lora_b) -> bool:
     """The kernels compute PEFT's default dtypes: fp32 adapters on a base of x's dtype."""
-    return (lora_a.dtype == lora_b.dtype == torch.float32 and x.dtype == weight.dtype
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    return lora_a.dtype == lora_b.dtype and supported_dtypes(x.dtype, weight.dtype, lora_a.dtype)
+
+
+def supported_dtypes(x_dtype, weight_dtype, adapter_dtype) -> bool:
+    return (adapter_dtype == torch.float32 and x_dtype == weight_dtype
+            and x_dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, out_dtype):

@@ -91,26 +91,35 @@ def rope_backward(grad_q, grad_k, cos, sin):
     return _rotate(grad_q, cos, sin_t), _rotate(grad_k, cos, sin_t)
 
 
-# LoRA linear (PEFT): out = (x·Wᵀ + b + ((x as adapter dtype)·Aᵀ)·Bᵀ · scaling) as out_dtype, the same operations
-# in the same dtypes as PEFT's eager forward. Only A and B train; the base weight and bias are frozen.
+# LoRA linear (PEFT): out = (x·Wᵀ + b + (drop(x as adapter dtype)·Aᵀ)·Bᵀ · scaling) as out_dtype, the same
+# operations in the same dtypes as PEFT's eager forward. Only A and B train; the base weight and bias are frozen.
+# drop is PEFT's lora_dropout in training: with a keep mask (bool, x's shape) drawn for the step, drop(v) =
+# v · mask · 1/(1 − p), the arithmetic of torch's dropout; without one, the identity.
 
-def lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
+def _dropped(v, dropout_mask, dropout_p):
+    return v if dropout_mask is None else v * dropout_mask * (1.0 / (1.0 - dropout_p))
+
+
+def lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
     base = torch.nn.functional.linear(x, weight, bias)
-    lora = torch.nn.functional.linear(torch.nn.functional.linear(x.to(lora_a.dtype), lora_a), lora_b) * scaling
+    x_adapter = _dropped(x.to(lora_a.dtype), dropout_mask, dropout_p)
+    lora = torch.nn.functional.linear(torch.nn.functional.linear(x_adapter, lora_a), lora_b) * scaling
     return (base + lora).to(out_dtype)
 
 
-def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling):
-    """(grad_x, grad_a, grad_b). The adapter-dtype copy of x and x·Aᵀ are recomputed here, never saved."""
+def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
+    """(grad_x, grad_a, grad_b). The adapter-dtype copy of x (dropped) and x·Aᵀ are recomputed here, never
+    saved; the dropout's gradient goes through the same mask."""
     base_dtype = torch.promote_types(x.dtype, weight.dtype)
     grad = grad_out.to(torch.promote_types(base_dtype, lora_b.dtype))
     grad_lora = (grad * scaling).to(lora_b.dtype).reshape(-1, lora_b.shape[0])
-    x_adapter = x.to(lora_a.dtype).reshape(-1, x.shape[-1])
+    mask = None if dropout_mask is None else dropout_mask.reshape(-1, x.shape[-1])
+    x_adapter = _dropped(x.to(lora_a.dtype).reshape(-1, x.shape[-1]), mask, dropout_p)
     xa = x_adapter @ lora_a.t()
     grad_b = grad_lora.t() @ xa
     grad_xa = grad_lora @ lora_b
     grad_a = grad_xa.t() @ x_adapter
-    grad_x_lora = (grad_xa @ lora_a).to(x.dtype).reshape(x.shape)
+    grad_x_lora = _dropped(grad_xa @ lora_a, mask, dropout_p).to(x.dtype).reshape(x.shape)
     grad_x = (grad.to(base_dtype) @ weight).to(x.dtype) + grad_x_lora
     return grad_x, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype)
 

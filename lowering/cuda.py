@@ -31,6 +31,24 @@ IMPLEMENTATIONS = {
     torch.ops.graphopt.linear_cross_entropy_backward.default: _GENERATED + " (scales the forward's gradients)",
 }
 
+# The LoRA kernels take fp32 adapters on a base of x's dtype (kernels/lora.py supported); other dtypes (adapters in
+# the base's dtype, and every LoRA layer under autocast, whose rule casts the adapters too) run the reference.
+LORA_DROPOUT = ("cuBLAS matmuls of kernels/reference.py with the dropout mask applied to the adapters' input (the "
+                "Triton kernels take no mask)")
+LORA_IN_ONE_DTYPE = ("cuBLAS matmuls of kernels/reference.py, all in {dtype} (adapters in the base's dtype, or cast "
+                     "by autocast; the Triton kernels take fp32 adapters)")
+
+
+def lora_variant(x_dtype, weight_dtype, adapter_dtype, dropout: bool):
+    """The report's text for a LoRA layer whose inputs have these dtypes (after autocast), when it is not the
+    kernels' (None when it is)."""
+    if dropout:
+        return LORA_DROPOUT
+    if lora.supported_dtypes(x_dtype, weight_dtype, adapter_dtype):
+        return None
+    return LORA_IN_ONE_DTYPE.format(dtype=str(adapter_dtype).removeprefix("torch."))
+
+
 # In compiled graphs these are decomposed below autograd: Inductor then fuses them with their neighbours (the
 # residual add, the casts), and the partitioner can recompute their outputs in the backward instead of saving
 # them. The standalone kernels (kernels/gated_activation.py, kernels/rmsnorm.py, used by eager calls) made the
@@ -87,17 +105,17 @@ def _linear_cross_entropy(hidden, weight, bias, target, ignore_index, reduction,
                                                chunk_rows, grad_hidden, grad_weight)
 
 
-def _lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
-    ops.check_lora_linear(x, weight, lora_a, lora_b)
-    if not lora.supported(x, weight, lora_a, lora_b):
-        return reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype)
+def _lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+    ops.check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
+    if dropout_mask is not None or not lora.supported(x, weight, lora_a, lora_b):
+        return reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
     return lora.lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, out_dtype)
 
 
-def _lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling):
-    ops.check_lora_linear(x, weight, lora_a, lora_b)
-    if not lora.supported(x, weight, lora_a, lora_b):
-        grads = reference.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling)
+def _lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
+    ops.check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
+    if dropout_mask is not None or not lora.supported(x, weight, lora_a, lora_b):
+        grads = reference.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
         return tuple(g.contiguous() for g in grads)
     return lora.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling)
 

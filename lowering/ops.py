@@ -200,34 +200,39 @@ rope.register_autograd(_rope_grad, setup_context=_rope_setup_context)
 
 @torch.library.custom_op("graphopt::lora_linear", mutates_args=())
 def lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
-                out_dtype: torch.dtype) -> Tensor:
-    """Frozen base linear plus LoRA path, PEFT's operations and dtypes; the backward gives dX, dA, dB only."""
-    check_lora_linear(x, weight, lora_a, lora_b)
-    return reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype).contiguous()
+                out_dtype: torch.dtype, dropout_mask: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
+    """Frozen base linear plus LoRA path, PEFT's operations and dtypes; the backward gives dX, dA, dB only. With a
+    dropout_mask (bool, x's shape: the elements kept), the adapters see x dropped as torch's dropout with
+    probability dropout_p drops it (kernels/reference.py)."""
+    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
+    return reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask,
+                                 dropout_p).contiguous()
 
 
 @lora_linear.register_fake
-def _lora_linear_fake(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
-    check_lora_linear(x, weight, lora_a, lora_b)
+def _lora_linear_fake(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
 @torch.library.custom_op("graphopt::lora_linear_backward", mutates_args=())
 def lora_linear_backward(grad_out: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
-                         scaling: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_x, grad_a, grad_b); the adapter-dtype copy of x is recomputed, so only x itself is saved."""
-    check_lora_linear(x, weight, lora_a, lora_b)
-    grads = reference.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling)
+                         scaling: float, dropout_mask: Optional[Tensor] = None,
+                         dropout_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_x, grad_a, grad_b); the adapter-dtype copy of x is recomputed (through the same dropout mask), so only
+    x itself, and the mask, are saved."""
+    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
+    grads = reference.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
     return tuple(g.contiguous() for g in grads)
 
 
 @lora_linear_backward.register_fake
-def _lora_linear_backward_fake(grad_out, x, weight, lora_a, lora_b, scaling):
-    check_lora_linear(x, weight, lora_a, lora_b)
+def _lora_linear_backward_fake(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
+    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
     return x.new_empty(x.shape), lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)
 
 
-def check_lora_linear(x, weight, lora_a, lora_b):
+def check_lora_linear(x, weight, lora_a, lora_b, dropout_mask=None, dropout_p=0.0):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
     torch._check(weight.dim() == 2 and lora_a.dim() == 2 and lora_b.dim() == 2,
                  lambda: "lora_linear: weight, lora_a and lora_b must be matrices")
@@ -235,21 +240,25 @@ def check_lora_linear(x, weight, lora_a, lora_b):
                  and lora_b.shape[0] == weight.shape[0] and lora_b.shape[1] == lora_a.shape[0],
                  lambda: f"lora_linear: shapes do not chain: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                          f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
+    torch._check(dropout_mask is None or (dropout_mask.dtype == torch.bool and dropout_mask.shape == x.shape),
+                 lambda: f"lora_linear: dropout_mask must be a bool tensor of x's shape {tuple(x.shape)}")
+    torch._check(0.0 <= dropout_p < 1.0, lambda: f"lora_linear: dropout_p={dropout_p} must be in [0, 1)")
 
 
 def _lora_setup_context(ctx, inputs, output):
-    x, weight, bias, lora_a, lora_b, scaling, _ = inputs
-    ctx.save_for_backward(x, weight, lora_a, lora_b)
-    ctx.scaling = scaling
+    x, weight, bias, lora_a, lora_b, scaling, _, dropout_mask, dropout_p = inputs
+    ctx.save_for_backward(x, weight, lora_a, lora_b, dropout_mask)
+    ctx.scaling, ctx.dropout_p = scaling, dropout_p
 
 
 def _lora_grad(ctx, grad_out):
-    x, weight, lora_a, lora_b = ctx.saved_tensors
+    x, weight, lora_a, lora_b, dropout_mask = ctx.saved_tensors
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         raise RuntimeError("graphopt::lora_linear computes no gradient for the base weight or bias: they must be "
                            "frozen (requires_grad=False), as PEFT leaves them; the fusion pass never fuses otherwise")
-    grad_x, grad_a, grad_b = torch.ops.graphopt.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, ctx.scaling)
-    return grad_x, None, None, grad_a, grad_b, None, None
+    grad_x, grad_a, grad_b = torch.ops.graphopt.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, ctx.scaling,
+                                                                     dropout_mask, ctx.dropout_p)
+    return grad_x, None, None, grad_a, grad_b, None, None, None, None
 
 
 lora_linear.register_autograd(_lora_grad, setup_context=_lora_setup_context)
@@ -381,40 +390,45 @@ def _copy_out_of_graph_pool_fake(xs):
 # --- autocast: the ops compute what eager computes under torch.autocast ---------------------------------------
 
 # A custom op is opaque to torch.autocast: without a rule it sees its inputs as they come, so a LoRA linear of an
-# fp32 base under bf16 autocast would meet a bf16 input and an fp32 weight. Eager PEFT runs every matmul of the
-# layer in the autocast dtype (x.to(adapter dtype) is cast back down by autocast's linear), and HF's lm_head too
-# before its logits.float(): so these ops take every floating input in the autocast dtype, as autocast's own
-# linear would, and their gradients flow back through those casts to the fp32 parameters as eager's do. The
-# other ops need no rule: RMSNorm upcasts to fp32 itself and the gated activation and RoPE contain no op that
-# autocast changes (a rotation that eager promotes to fp32 is cast up by passes/fuse_rope.py). The dtype is read at
-# each call, so bf16 and fp16 autocast both hold, on every device type that has autocast.
-AUTOCAST_OPS = ("lora_linear", "linear_cross_entropy")
+# fp32 base under bf16 autocast would meet a bf16 input and an fp32 weight. Eager runs PEFT's linears (base and
+# adapters: x.to(adapter dtype) is cast back down by autocast's linear) and HF's lm_head in the autocast dtype, so
+# these ops take those inputs cast to it, as autocast's own linear would, and the gradients flow back through the
+# casts to the fp32 parameters as eager's do. The other ops need no rule: RMSNorm upcasts to fp32 itself, and the
+# gated activation and RoPE contain no op that autocast changes (a rotation that eager promotes to fp32 is cast up
+# by passes/fuse_rope.py). The dtype is read at each call, so bf16 and fp16 autocast both hold, on every device type
+# that has autocast.
+AUTOCAST_CASTS = {  # op → the positions of the inputs autocast casts
+    "lora_linear": (0, 1, 2, 3, 4),  # x, weight, bias, lora_a, lora_b
+    "linear_cross_entropy": (0, 1, 2),  # hidden, weight, bias
+}
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "privateuseone")  # privateuseone: Ascend's npu
 
 
-def _autocast_kernel(op, dispatch_key):
+def _autocast_kernel(op, dispatch_key, positions):
     excluded = torch._C.DispatchKeySet(dispatch_key)
 
     def kernel(_keyset, *args):
         device_type = next(a.device.type for a in args if isinstance(a, Tensor))
         dtype = torch.get_autocast_dtype(device_type)
 
-        def cast(a):
-            eligible = isinstance(a, Tensor) and a.is_floating_point() and a.dtype != torch.float64
-            return a.to(dtype) if eligible and a.device.type == device_type else a
+        def cast(i, a):
+            eligible = (i in positions and isinstance(a, Tensor) and a.is_floating_point()
+                        and a.dtype != torch.float64 and a.device.type == device_type)
+            return a.to(dtype) if eligible else a
 
         with torch._C._ExcludeDispatchKeyGuard(excluded):
-            return op(*map(cast, args))
+            return op(*(cast(i, a) for i, a in enumerate(args)))
 
     return kernel
 
 
 _AUTOCAST_LIBRARY = torch.library.Library("graphopt", "IMPL")
-for _name in AUTOCAST_OPS:
+for _name, _positions in AUTOCAST_CASTS.items():
     for _device in filter(torch.amp.is_autocast_available, _AUTOCAST_DEVICES):
         _key = "Autocast" + torch._C._dispatch_key_for_device(_device)
         _AUTOCAST_LIBRARY.impl(_name, _autocast_kernel(getattr(torch.ops.graphopt, _name).default,
-                                                       getattr(torch._C.DispatchKey, _key)), _key, with_keyset=True)
+                                                       getattr(torch._C.DispatchKey, _key), _positions),
+                               _key, with_keyset=True)
 
 
 # Forward op → its backward op, for the report and the lowerings.

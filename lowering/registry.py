@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphopt.lowering import ascend, cpu, ops
+from graphopt.passes.match import autocast_regions, value
 from graphopt.report import LoweringRecord
 
 try:  # Triton is a Linux dependency; elsewhere the CUDA lowering is simply absent.
@@ -31,6 +32,9 @@ class Lowering:
     offload_copies: bool = True
     # cuda_graphs="auto" may replay the graphs as CUDA graphs: measured faster on NVIDIA only (the H200)
     cuda_graphs: bool = False
+    # graphopt op → fn(dtypes of its inputs as it runs them, autocast applied) → the text when it is not the
+    # usual implementation's (None when it is): the report names what actually runs
+    variants: dict = field(default_factory=dict)
 
 
 def lowering_for(target: str) -> Lowering:
@@ -38,8 +42,11 @@ def lowering_for(target: str) -> Lowering:
         note = "" if target == "cuda" else ("Triton kernels with AMD launch settings per family, CDNA or RDNA "
                                             "(kernels/layout.py), compiled for gfx942, gfx90a and gfx1100 in CI; "
                                             "not yet measured on AMD GPUs")
+        lora_variant = (lambda x, weight, bias, lora_a, lora_b, mask=None: cuda.lora_variant(x, weight, lora_a,
+                                                                                           mask is not None))
         return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
-                        implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda")
+                        implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda",
+                        variants={torch.ops.graphopt.lora_linear.default: lora_variant})
     if target == "cpu":
         return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
                         implementations=dict(cpu.IMPLEMENTATIONS), offload_copies=False)
@@ -60,14 +67,34 @@ def lowering_for(target: str) -> Lowering:
 
 
 def record(gm: torch.fx.GraphModule, lowering: Lowering, report) -> None:
-    """One report line per graphopt op in the graph: how it will run, its backward op beside it."""
+    """One report line per graphopt op and implementation in the graph: how it will run, its backward op beside
+    it."""
     counts = {}
+    regions = autocast_regions(gm.graph)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ops.BACKWARD_OF:
-            counts[node.target] = counts.get(node.target, 0) + 1
-    for forward, count in counts.items():
+            variant = lowering.variants.get(node.target)
+            text = variant(*_running_dtypes(node, regions[node])) if variant else None
+            key = (node.target, text or lowering.implementations[node.target])
+            counts[key] = counts.get(key, 0) + 1
+    for (forward, implementation), count in counts.items():
         backward = ops.BACKWARD_OF[forward]
-        report.lowering.append(LoweringRecord(str(forward), count, lowering.implementations[forward],
-                                              lowering.note or None))
-        report.lowering.append(LoweringRecord(str(backward), count, lowering.implementations[backward],
+        variant = implementation != lowering.implementations[forward]  # the backward runs the same variant
+        report.lowering.append(LoweringRecord(str(forward), count, implementation, lowering.note or None))
+        report.lowering.append(LoweringRecord(str(backward), count,
+                                              implementation if variant else lowering.implementations[backward],
                                               "in the backward graph, when gradients are needed"))
+
+
+def _running_dtypes(node, autocast: dict) -> list:
+    """The dtypes of a graphopt op's tensor inputs as it runs them: cast by its autocast rule inside a region."""
+    casts = ops.AUTOCAST_CASTS.get(node.target.name().split("::")[-1], ())
+    dtypes = []
+    for i, arg in enumerate(node.args):
+        v = value(arg)
+        if isinstance(v, torch.Tensor):
+            cast = autocast.get(v.device.type) if i in casts and v.dtype != torch.float64 else None
+            dtypes.append(cast or v.dtype)
+        elif arg is None:
+            dtypes.append(None)
+    return dtypes

@@ -3,9 +3,13 @@
 Matches (after passes/normalize.py) what PEFT's lora.Linear.forward records:
   base = linear(x, W[, bias]);  xa = linear(x[.to(adapter dtype)], A);  out = base + linear(xa, B) * scaling
   [→ .to(result dtype)]
-with identity dropout, one active adapter, a frozen plain-linear base. Every linear traced inside a `lora_B`
-module is a candidate; one that does not match in full (dropout > 0, several active adapters, a quantized or
-trainable base, a lora_B bias) stays unfused with a miss record.
+with one active adapter and a frozen plain-linear base. PEFT's lora_dropout sits between the cast and lora_A:
+in eval mode (training=False) it is the identity and drops out of the match; in training it becomes a keep mask
+drawn in the graph, as CPU eager's dropout draws it (empty_like(x).bernoulli_(1 - p); under Inductor from its
+own random stream, as any compiled dropout), which the op applies to the adapters' input in the forward and to
+their gradient in the backward. Every linear traced inside a `lora_B` module is a candidate; one that does not
+match in full (several active adapters, a quantized or trainable base, a lora_B bias, an in-place or
+non-constant dropout) stays unfused with a miss record.
 
 DoRA (use_dora=True) is never fused; it gets one miss per DoRA adapter the graph shows, never two. Dynamo hands
 it over in one of two forms:
@@ -94,8 +98,9 @@ def _match(lora_b: Node):
     x_adapter, a_weight, a_bias = _linear_args(a_out)
     if a_bias is not None:
         raise Miss("lora_A has a bias")
+    dropout_p, dropped = 0.0, []
     if is_call(x_adapter, *_DROPOUT):
-        raise Miss("LoRA dropout > 0: the fused op has no dropout; use lora_dropout=0.0")
+        dropout_p, dropped, x_adapter = _dropout(x_adapter), [x_adapter], x_adapter.args[0]
     x = x_adapter.args[0] if is_cast(x_adapter) else x_adapter
     if x_adapter is not x and len(x_adapter.users) != 1:
         raise Miss("the adapter-dtype copy of the input is also used elsewhere")
@@ -125,8 +130,35 @@ def _match(lora_b: Node):
     end = add
     if (user := only_user(add)) is not None and is_cast(user):
         end = user
-    return (x, weight, bias, a_weight, b_weight, float(scaling)), end, [end, add, mul, lora_b, a_out, base] + (
-        [x_adapter] if x_adapter is not x else [])
+    return ((x, weight, bias, a_weight, b_weight, float(scaling)), dropout_p, end,
+            [end, add, mul, lora_b, a_out, base] + dropped + ([x_adapter] if x_adapter is not x else []))
+
+
+def _dropout(node: Node) -> float:
+    """The probability a training-mode dropout drops with (0.0 in eval mode: the identity)."""
+    names = ("input", "p", "training", "inplace") if node.target is torch.nn.functional.dropout else (
+        "input", "p", "train")
+    args = dict(zip(names, node.args)) | node.kwargs
+    p, training = args.get("p", 0.5), args.get("training", args.get("train", True))
+    if args.get("inplace", False):
+        raise Miss("the LoRA dropout is in place")
+    if not isinstance(training, bool) or not is_scalar(p) or not 0 <= p < 1:
+        raise Miss(f"the LoRA dropout's p={p!r} or training={training!r} is not a constant (p in [0, 1))")
+    if len(node.users) != 1:
+        raise Miss("the dropped input is also used elsewhere")
+    return float(p) if training else 0.0
+
+
+def _keep_mask(gm: GraphModule, x: Node, adapter_dtype: torch.dtype, p: float) -> Node:
+    """Nodes drawing the elements a dropout of x keeps: CPU eager's draw, empty_like(x).bernoulli_(1 - p)."""
+    noise = gm.graph.call_function(torch.empty_like, (x,), {"dtype": adapter_dtype})
+    drawn = gm.graph.call_method("bernoulli_", (noise, 1.0 - p))
+    keep = gm.graph.call_method("to", (drawn, torch.bool))
+    fake = value(x)
+    noise.meta = dict(x.meta, example_value=torch.empty_like(fake, dtype=adapter_dtype))
+    drawn.meta = dict(noise.meta)
+    keep.meta = dict(x.meta, example_value=torch.empty_like(fake, dtype=torch.bool))
+    return keep
 
 
 def fuse_lora(gm: GraphModule, report) -> int:
@@ -143,12 +175,13 @@ def fuse_lora(gm: GraphModule, report) -> int:
         if not in_model:
             continue  # a frame's own lora_B outside DoRA: not a candidate (as before)
         try:
-            args, end, nodes = _match(lora_b)
+            args, dropout_p, end, nodes = _match(lora_b)
         except Miss as miss:
             report.misses.append(record_for(lora_b, PATTERN, str(miss)))
             continue
         with gm.graph.inserting_before(end):
-            op = gm.graph.call_function(torch.ops.graphopt.lora_linear.default, (*args, value(end).dtype))
+            dropout = (_keep_mask(gm, args[0], value(args[3]).dtype, dropout_p), dropout_p) if dropout_p else ()
+            op = gm.graph.call_function(torch.ops.graphopt.lora_linear.default, (*args, value(end).dtype, *dropout))
         op.meta = dict(end.meta)
         end.replace_all_uses_with(op)
         for n in dict.fromkeys(nodes):  # in order, each once: users before what they use

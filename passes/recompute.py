@@ -10,7 +10,8 @@ this module adds:
 - layer boundaries. Below budget 1 the tensors entering and leaving every decoder layer are saved
   (save_layer_boundaries), so 0 means per-layer checkpointing: each layer's backward recomputes that layer's
   forward only, and what is saved is the residual stream between layers, which offload=True then moves to host
-  memory. The fused loss is never recomputed (never_recompute_the_loss).
+  memory. The fused loss is never recomputed (never_recompute_the_loss), nor any random draw
+  (never_recompute_random_draws).
 - memory_budget="auto": the fastest plan whose estimated peak fits max_memory_gib, or without it a multiple of
   the weights the graph reads (Partitioner._choose, WEIGHTS_MULTIPLE).
 - graphopt ops as candidates with a cost. torch bans recomputing any op it does not know; here every graphopt op
@@ -109,6 +110,7 @@ class Partitioner(CustomPartitionerFn):
         if budget < 1:
             save_layer_boundaries(joint, kwargs["num_fwd_outputs"])
             never_recompute_the_loss(joint)
+        never_recompute_random_draws(joint)
         with torch._functorch.config.patch(partitioner_config(budget)):
             graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
         plan = (offload_pass.plan_offload(*graphs, kwargs["num_fwd_outputs"], self.offload_copies)
@@ -187,6 +189,15 @@ def never_recompute_the_loss(joint: torch.fx.GraphModule) -> None:
     recomputing it saves nothing at the peak and repeats the lm_head's matmuls (a third of the 1B step's FLOPs)."""
     for node in joint.graph.find_nodes(op="call_function", target=torch.ops.graphopt.linear_cross_entropy.default):
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE  # banned from recompute; its getitems get saved
+
+
+def never_recompute_random_draws(joint: torch.fx.GraphModule) -> None:
+    """A random op recomputed in the backward would draw again: a fused LoRA dropout's mask (passes/fuse_lora.py)
+    would differ from the forward's, and the gradients be silently wrong. torch bans only the random ops it lists
+    (native_dropout, rand_like, randn_like); every op tagged nondeterministic_seeded is saved here."""
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def _copy(joint):

@@ -252,16 +252,112 @@ def trainable_base():
 
 
 @pytest.mark.parametrize("make, reason, fused", [
-    (lambda: mlp(lora_dropout=0.1), "dropout", 0),
     (two_adapters, "several active adapters", 2),
     (trainable_base, "trains", 1),
 ])
 def test_unprovable_lora_layers_stay_unfused_with_a_reason(make, reason, fused):
     model = make()
-    model.eval()  # dropout draws no random numbers, so the graph before and after can be compared
     gm, example, expected, report, count = run_pass(fuse_lora, model, torch.randn(3, 16))
     assert count == fused and report.misses and all(reason in m.reason for m in report.misses)
     assert relative_error(first_output(gm, example), expected) <= 1e-6
+
+
+# --- LoRA dropout ------------------------------------------------------------------------------------------
+
+@settings(max_examples=10)
+@given(p=st.sampled_from([0.05, 0.1, 0.5]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_op_with_a_dropout_mask_is_peft_with_that_mask(p, dtype, seed):
+    """Given the kept elements, the op's forward and gradients are PEFT's layer with torch's dropout arithmetic
+    (x · mask · 1/(1 − p)) on the adapters' input, against fp64."""
+    layer = peft_linear(24, 20, 4, dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 5, 24, generator=g).to(dtype).requires_grad_()
+    keep = torch.rand(3, 5, 24, generator=g) >= p
+    args = op_args(layer, dtype)
+    out = torch.ops.graphopt.lora_linear(x, *args, keep, p)
+    weight, bias, a, b, scaling, _ = args
+    exact = (torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+             + (x.double() * keep * (1 / (1 - p))) @ a.double().t() @ b.double().t() * scaling)
+    grad = torch.randn(out.shape, generator=g).to(dtype)
+    got = torch.autograd.grad(out, (x, a, b), grad)
+    want = torch.autograd.grad(exact, (x, a, b), grad.double())
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert relative_error(out, exact) <= tolerance
+    for g_got, g_want in zip(got, want):
+        assert relative_error(g_got, g_want) <= tolerance
+
+
+def test_opcheck_with_a_dropout_mask():
+    layer = peft_linear(16, 12, 4, torch.float32)
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    torch.library.opcheck(torch.ops.graphopt.lora_linear.default,
+                          (x, *op_args(layer, torch.float32), torch.rand(2, 3, 16) >= 0.1, 0.1))
+
+
+@pytest.mark.parametrize("budget", [1, 0])
+def test_compiled_lora_dropout_draws_eagers_stream_and_keeps_its_mask(budget, monkeypatch):
+    """With Inductor's fallback_random (its random ops call torch's generator, as eager does), the compiled model
+    draws exactly eager's dropout masks: loss and every gradient equal eager's. At budget 0 the backward recomputes
+    each layer, but never the draw: the mask it applies is the forward's."""
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+    model = tiny_lora_model("llama", lora_dropout=0.1)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="graphopt", options={"memory_budget": budget})
+    results = []
+    for run in (compiled, model):
+        torch.manual_seed(7)
+        results.append(lora_params_loss_and_grads_lm(run, ids))
+    (loss, grads), (eager_loss, eager_grads) = results
+    assert graphopt.last_report().summary()["lora"] == 14 and graphopt.last_report().misses == []
+    assert relative_error(loss, eager_loss) <= 1e-5
+    for name in grads:
+        assert relative_error(grads[name], eager_grads[name]) <= 1e-5, name
+
+
+def test_compiled_lora_dropout_statistics():
+    """Under Inductor's own random stream: a fraction p of the adapters' input dropped, the rest scaled by
+    1/(1 − p), a new mask every step. Read off the gradient of lora_B, which is Σ (dropped x · Aᵀ)ᵀ·dY: with A
+    the identity and dY ones, each row of dB sums one channel of x as the adapters saw it."""
+    p, rows, width = 0.25, 4096, 8
+    layer = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(width, 4)),
+                                peft.LoraConfig(r=width, target_modules=["0"], lora_dropout=p))
+    lora_a = layer.base_model.model[0].lora_A["default"].weight
+    with torch.no_grad():
+        lora_a.copy_(torch.eye(width))
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="graphopt")
+    x = torch.ones(rows, width)
+    seen = []
+    for _ in range(2):
+        layer.zero_grad()
+        compiled(x).sum().backward()
+        lora_b = layer.base_model.model[0].lora_B["default"].weight
+        seen.append(lora_b.grad[0] / layer.base_model.model[0].scaling["default"])  # Σ over rows of dropped x
+    assert graphopt.last_report().summary() == {"lora": 1}
+    kept = seen[0] * (1 - p) / rows  # the fraction kept per channel
+    assert torch.allclose(kept, torch.full_like(kept, 1 - p), atol=0.03)
+    assert not torch.equal(seen[0], seen[1])  # drawn again each step
+
+
+def test_lora_dropout_in_eval_mode_is_the_identity_and_fused():
+    model = mlp(lora_dropout=0.1)
+    model.eval()
+    gm, example, expected, report, count = run_pass(fuse_lora, model, torch.randn(3, 16))
+    assert count == 2 and report.misses == []
+    assert all(n.target not in (torch.nn.functional.dropout, torch.dropout) for n in gm.graph.nodes)
+    assert torch.equal(first_output(gm, example), expected)
+
+
+def lora_params_loss_and_grads_lm(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    params = getattr(model, "_orig_mod", model).named_parameters()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in params if p.requires_grad}
 
 
 def lora_params_loss_and_grads(model, x):
