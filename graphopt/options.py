@@ -1,5 +1,6 @@
 """Options of torch.compile(model, backend="graphopt", options={...}), validated into one Options object."""
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -78,6 +79,10 @@ def parse_options(raw: dict, fusion_names) -> Options:
         report = Path(report)
         if report.suffix not in REPORT_SUFFIXES:
             raise OptionError(f"report={str(report)!r}: the path must end in {', '.join(REPORT_SUFFIXES)}")
+        folder = report.parent.resolve()
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise OptionError(f"report={str(report)!r}: the folder {str(folder)!r} "
+                              f"{'is not writable' if folder.is_dir() else 'does not exist'}; create it first")
     keep_logits, cache_grad = raw.get("keep_logits", False), raw.get("cache_grad", False)
     if not isinstance(keep_logits, bool):
         raise OptionError(f"keep_logits must be True or False, got {keep_logits!r}")
@@ -94,6 +99,14 @@ def parse_options(raw: dict, fusion_names) -> Options:
     return Options(target=target, fusions=frozenset(enabled), report=report, keep_logits=keep_logits,
                    cache_grad=cache_grad, memory_budget=memory_budget, offload=offload, max_memory_gib=max_memory_gib,
                    cuda_graphs=cuda_graphs)
+
+
+def check_cuda_graphs(options: Options, target: str) -> None:
+    """cuda_graphs=True asks for what only a GPU target has (CUDA graphs, HIP graphs on ROCm): elsewhere an error,
+    not a report that says they are on."""
+    if options.cuda_graphs is True and target not in ("cuda", "hip"):
+        raise OptionError(f"cuda_graphs=True: the graph runs on target {target!r}, which has no CUDA graphs; leave "
+                          f"cuda_graphs unset (\"auto\") or set it to False")
 
 
 def cuda_graphs_decision(options: Options, lowering, dynamic: bool, training: bool) -> tuple:

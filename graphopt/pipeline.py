@@ -1,7 +1,8 @@
 """The whole pipeline, top to bottom (docs/architecture.md draws it):
 
   1. capture    Dynamo hands over an FX graph of torch-level calls (before autograd)
-  2. normalize  one spelling per op                                   passes/normalize.py
+  2. normalize  checkpointed regions inlined, their plan the memory plan  passes/checkpoint.py
+                one spelling per op                                   passes/normalize.py
   3. fuse       subgraphs → graphopt:: ops, or a miss with a reason   passes/fuse_*.py, in passes/registry.py order
                 then the logits policy: a fused loss's logits are not computed unless keep_logits  passes/drop_logits.py
                 and the cache policy: the returned KV cache is detached unless cache_grad         passes/detach_cache.py
@@ -17,6 +18,7 @@
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
+from torch._dynamo.exc import RestartAnalysis
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.symbolic_shapes import free_symbols
@@ -24,13 +26,14 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from graphopt.devices import resolve_target
 from graphopt.logits import hand_back
 from graphopt.lowering import registry as lowering_registry
-from graphopt.options import Options, cuda_graphs_decision
+from graphopt.options import Options, check_cuda_graphs, cuda_graphs_decision
+from graphopt.passes.checkpoint import checkpointing_as_plan, inline_checkpoints
 from graphopt.passes.detach_cache import detach_cache
 from graphopt.passes.drop_logits import drop_logits
 from graphopt.passes.normalize import normalize
 from graphopt.passes.recompute import Partitioner
 from graphopt.passes.registry import FUSIONS
-from graphopt.report import Report, publish, reports, rewrite
+from graphopt.report import Report, publish, reports, rewrite, withdraw
 
 
 def compile_graph(gm, example_inputs, options: Options):
@@ -38,7 +41,10 @@ def compile_graph(gm, example_inputs, options: Options):
     report = Report(graph=len(reports()), nodes_captured=len(gm.graph.nodes))
     report.target = resolve_target(options.target, example_inputs)
 
-    # 2. normalize
+    # 2. normalize: checkpointed regions inlined (their plan becomes the memory plan), one spelling per op
+    checkpointed = inline_checkpoints(gm)
+    if checkpointed:
+        options = checkpointing_as_plan(options, checkpointed, report)
     normalize(gm)
 
     # 3. fuse
@@ -51,6 +57,7 @@ def compile_graph(gm, example_inputs, options: Options):
 
     # 4–6. autograd → partition → lower. The target's lowering says how each graphopt op will run.
     lowering = lowering_registry.lowering_for(report.target)
+    check_cuda_graphs(options, report.target)
     lowering_registry.record(gm, lowering, report)
     if lowering.inductor:  # and whether Inductor replays the graph as CUDA graphs
         training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
@@ -62,7 +69,12 @@ def compile_graph(gm, example_inputs, options: Options):
     publish(report, options.report)
 
     # 8. hand back
-    return hand_back(_autograd_partition_lower(gm, example_inputs, lowering, report, options), dropped)
+    try:
+        compiled = _autograd_partition_lower(gm, example_inputs, lowering, report, options)
+    except RestartAnalysis:  # Dynamo abandons this graph (e.g. to make a float a tensor) and hands over another
+        withdraw(report)
+        raise
+    return hand_back(compiled, dropped)
 
 
 def _autograd_partition_lower(gm, example_inputs, lowering, report, options):

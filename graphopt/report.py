@@ -365,26 +365,35 @@ def record_for(node: torch.fx.Node, pattern: str, reason: Optional[str] = None) 
 
 _REPORTS: list = []
 _WRITTEN: dict = {}  # report path → graphs already written to it
-_PATH_OF: dict = {}  # id(report) → the file publish() wrote it to
+_PATH_OF: dict = {}  # id(report) → (the path asked for, the file publish() wrote it to)
 
 
 def publish(report: Report, path=None) -> None:
     """Keep the report; with a path, write it there. Later graphs of the same path (graph breaks,
     recompiles) go beside it as <stem>.graph<N><suffix>, so no graph's report is lost."""
+    if path is not None:
+        path = Path(path)
+        earlier = _WRITTEN.get(path.resolve(), 0)
+        written = path if earlier == 0 else path.with_name(f"{path.stem}.graph{earlier}{path.suffix}")
+        report.write(written)
+        _WRITTEN[path.resolve()] = earlier + 1
+        _PATH_OF[id(report)] = (path.resolve(), written)
     _REPORTS.append(report)
-    if path is None:
-        return
-    path = Path(path)
-    earlier = _WRITTEN.get(path.resolve(), 0)
-    _WRITTEN[path.resolve()] = earlier + 1
-    path = path if earlier == 0 else path.with_name(f"{path.stem}.graph{earlier}{path.suffix}")
-    _PATH_OF[id(report)] = path
-    report.write(path)
+
+
+def withdraw(report: Report) -> None:
+    """Forget the report of a graph Dynamo abandoned (it restarts its analysis and hands over another graph in
+    its place): that graph's report takes this one's number and file."""
+    _REPORTS.remove(report)
+    key, written = _PATH_OF.pop(id(report), (None, None))
+    if written is not None:
+        written.unlink(missing_ok=True)
+        _WRITTEN[key] -= 1
 
 
 def rewrite(report: Report) -> None:
     """Write a report again where publish() wrote it, after a later stage added to it."""
-    path = _PATH_OF.get(id(report))
+    _, path = _PATH_OF.get(id(report), (None, None))
     if path is not None:
         report.write(path)
 

@@ -109,9 +109,10 @@ def _match(lora_b: Node):
     if not is_call(mul, torch.mul) or len(mul.args) != 2 or mul.args[0] is not lora_b:
         raise Miss("lora_B's output is not scaled once")
     scaling = mul.args[1]
-    if not is_scalar(scaling):
-        raise Miss("the LoRA scaling is not a constant: torch.compile(dynamic=True) passes float attributes as "
-                   "graph inputs; leave dynamic unset (sizes still become symbolic when they change)")
+    # a constant, or under torch.compile(dynamic=True) a float the graph reads at each call (Dynamo passes float
+    # attributes as graph inputs): the op takes it as it comes, so a changed scaling is used, never a stale one
+    if not (is_scalar(scaling) or isinstance(value(scaling), torch.SymFloat)):
+        raise Miss("the LoRA scaling is neither a constant nor a float read by the graph")
     add = only_user(mul)
     if not is_call(add, torch.add) or len(add.args) != 2 or add.kwargs:
         raise Miss("the scaled LoRA output is not added to the base output")
@@ -130,8 +131,9 @@ def _match(lora_b: Node):
     end = add
     if (user := only_user(add)) is not None and is_cast(user):
         end = user
-    return ((x, weight, bias, a_weight, b_weight, float(scaling)), dropout_p, end,
-            [end, add, mul, lora_b, a_out, base] + dropped + ([x_adapter] if x_adapter is not x else []))
+    scaling = float(scaling) if is_scalar(scaling) else scaling
+    nodes = [end, add, mul, lora_b, a_out, base] + dropped + ([x_adapter] if x_adapter is not x else [])
+    return (x, weight, bias, a_weight, b_weight, scaling), dropout_p, end, nodes
 
 
 def _dropout(node: Node) -> float:

@@ -105,8 +105,18 @@ def test_fusions_of_wrong_type(fusions):
 
 
 @pytest.mark.parametrize("path", ["r.txt", "out/report.json", Path("a/b.html")])
-def test_report_path_accepted(path):
+def test_report_path_accepted(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for folder in ("out", "a"):
+        (tmp_path / folder).mkdir()
     assert parse_options({"report": path}, NAMES).report == Path(path)
+
+
+def test_report_path_in_a_missing_folder_is_an_error_before_any_report(tmp_path, fresh_dynamo):
+    before = len(graphopt.reports())
+    err = _first_call_error(options={"report": str(tmp_path / "missing" / "r.html")})
+    assert "OptionError" in str(err) and "does not exist" in str(err) and "missing" in str(err)
+    assert len(graphopt.reports()) == before
 
 
 @pytest.mark.parametrize("path", ["report", "report.md", "report.json.gz", "report.HTML"])
@@ -169,6 +179,13 @@ def test_compile_target_cuda_on_cpu_tensors(fresh_dynamo):
     assert "target='cuda'" in msg and "'cpu'" in msg
 
 
+def test_cuda_graphs_on_a_target_without_them_is_an_error_before_any_report(fresh_dynamo):
+    before = len(graphopt.reports())
+    err = _first_call_error(options={"cuda_graphs": True})
+    assert "OptionError" in str(err) and "cuda_graphs=True" in str(err) and "'cpu'" in str(err)
+    assert len(graphopt.reports()) == before
+
+
 @pytest.mark.parametrize("budget", [0, 0.3, 1])
 def test_memory_budget_accepts_zero_to_one(budget):
     assert parse_options({"memory_budget": budget}, NAMES).memory_budget == budget
@@ -212,12 +229,16 @@ def test_offload_that_is_not_a_bool_is_an_error(offload):
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_cuda_graphs_reach_inductor(on, fresh_dynamo):
+def test_cuda_graphs_reach_inductor(on, fresh_dynamo, monkeypatch):
     """cuda_graphs=True compiles with Inductor's CUDA graph trees on, and graph partitions around the offload
     copies, for the forward and for the backward, which aot_autograd compiles at its first run, after the
     backend returned (with only the forward's settings, the backward's host tensors made Inductor skip its CUDA
-    graphs); off, Inductor's own setting is left as it is."""
+    graphs); off, Inductor's own setting is left as it is. The graph is taken for a CUDA one (on CPU tensors,
+    Inductor then skips the CUDA graphs it was asked for)."""
+    import graphopt.pipeline
     from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    monkeypatch.setattr(graphopt.pipeline, "resolve_target", lambda requested, inputs: "cuda")
 
     seen = []
 
