@@ -191,12 +191,20 @@ def never_recompute_the_loss(joint: torch.fx.GraphModule) -> None:
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE  # banned from recompute; its getitems get saved
 
 
+# The aten ops a random draw reaches the joint graph as (fused LoRA dropout: bernoulli; torch's own: the rest).
+# Not every op tagged nondeterministic_seeded: SDPA carries the tag for its dropout, and saving it would change
+# the plan of every attention layer.
+_RANDOM_DRAWS = {torch.ops.aten.bernoulli, torch.ops.aten.bernoulli_, torch.ops.aten.rand, torch.ops.aten.rand_like,
+                 torch.ops.aten.randn, torch.ops.aten.randn_like, torch.ops.aten.native_dropout,
+                 torch.ops.aten.uniform, torch.ops.aten.normal}
+
+
 def never_recompute_random_draws(joint: torch.fx.GraphModule) -> None:
-    """A random op recomputed in the backward would draw again: a fused LoRA dropout's mask (passes/fuse_lora.py)
-    would differ from the forward's, and the gradients be silently wrong. torch bans only the random ops it lists
-    (native_dropout, rand_like, randn_like); every op tagged nondeterministic_seeded is saved here."""
+    """A random draw recomputed in the backward would draw again: a fused LoRA dropout's mask (passes/fuse_lora.py)
+    would differ from the forward's, and the gradients be silently wrong. The partitioner's own list may not hold
+    every such op (bernoulli is not in it), so each is marked must-save here."""
     for node in joint.graph.nodes:
-        if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _RANDOM_DRAWS:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
