@@ -11,17 +11,21 @@ from graphs import relative_error
 from models import ARCHITECTURES, adapted_layers, rms_norm_modules, tiny_lora_model
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+# on the GPU: the same comparisons under CUDA autocast, with the Triton lowering
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def loss_and_grads(model, autocast_dtype, inside=False):
     """Loss and every trainable gradient of one step; autocast around the call, or (inside) in the forward."""
     model.zero_grad(set_to_none=True)
     enabled = autocast_dtype is not None
+    device = next(model.parameters()).device
+    ids = IDS.to(device)
     if inside:
-        with torch.autocast("cpu", autocast_dtype, enabled=enabled):
-            loss = model(input_ids=IDS, labels=IDS).loss
+        with torch.autocast(device.type, autocast_dtype, enabled=enabled):
+            loss = model(input_ids=ids, labels=ids).loss
     else:
-        loss = model(IDS, autocast_dtype)
+        loss = model(ids, autocast_dtype)
     loss.backward()
     params = getattr(model, "_orig_mod", model).named_parameters()
     return loss.detach(), {name: p.grad.detach().clone() for name, p in params if p.requires_grad}
@@ -35,7 +39,7 @@ class AutocastInside(torch.nn.Module):
         self.model = model
 
     def forward(self, ids, autocast_dtype):
-        with torch.autocast("cpu", autocast_dtype):
+        with torch.autocast(ids.device.type, autocast_dtype):
             return self.model(input_ids=ids, labels=ids).loss
 
 
@@ -65,18 +69,20 @@ def expected_fusions(model, arch):
             "lora": len(adapted_layers(model)), "linear_cross_entropy": 1}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_fp32_weights_under_bf16_autocast(arch):
+def test_fp32_weights_under_bf16_autocast(arch, device):
     """HF Trainer's bf16=True: fp32 weights and adapters, the forward under bf16 autocast."""
-    model = tiny_lora_model(arch)
+    model = tiny_lora_model(arch).to(device)
     report = assert_matches_eager_under_autocast(model, torch.bfloat16)
     assert report.summary() == expected_fusions(model, arch) and report.misses == []
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("adapter_dtype", [torch.float32, None], ids=["fp32 adapters", "bf16 adapters"])
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
-def test_bf16_base_under_autocast(adapter_dtype, autocast_dtype):
-    model = tiny_lora_model("llama", torch.bfloat16, adapter_dtype=adapter_dtype)
+def test_bf16_base_under_autocast(adapter_dtype, autocast_dtype, device):
+    model = tiny_lora_model("llama", torch.bfloat16, adapter_dtype=adapter_dtype).to(device)
     report = assert_matches_eager_under_autocast(model, autocast_dtype)
     assert report.summary() == expected_fusions(model, "llama") and report.misses == []
 
@@ -94,24 +100,27 @@ def test_autocast_changes_the_compiled_numbers_as_it_changes_eager():
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="graphopt")
     for run in (model, compiled):
-        (plain, plain_grads), (cast, cast_grads) = (loss_and_grads(run, d, inside=True) for d in (None, torch.bfloat16))
+        (plain, plain_grads), (cast, cast_grads) = (loss_and_grads(run, dtype, inside=True)
+                                                    for dtype in (None, torch.bfloat16))
         assert plain != cast
         assert all(not torch.equal(plain_grads[name], cast_grads[name]) for name in plain_grads)
 
 
-def test_fp16_autocast_with_grad_scaler_trains_like_eager():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_autocast_with_grad_scaler_trains_like_eager(device):
     """fp16 autocast with torch's GradScaler: three AdamW steps, compiled and eager in lockstep."""
     losses = {}
+    ids = IDS.to(device)
     for compiled in (False, True):
-        model = tiny_lora_model("mistral")
-        run = torch.compile(model, backend="graphopt") if compiled else model
+        model = tiny_lora_model("mistral").to(device)
         torch._dynamo.reset()
+        run = torch.compile(model, backend="graphopt") if compiled else model
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer, scaler = torch.optim.AdamW(params, lr=1e-2), torch.amp.GradScaler("cpu")
+        optimizer, scaler = torch.optim.AdamW(params, lr=1e-2), torch.amp.GradScaler(device)
         losses[compiled] = []
         for _ in range(3):
-            with torch.autocast("cpu", torch.float16):
-                loss = run(input_ids=IDS, labels=IDS).loss
+            with torch.autocast(device, torch.float16):
+                loss = run(input_ids=ids, labels=ids).loss
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()

@@ -13,7 +13,11 @@ from models import tiny_lora_model
 from texts import VOCAB, pad_batch, sentences
 
 
-def train(tmp_path, compiled: bool, bf16: bool, steps=6, resume=None, save_steps=3):
+# on the GPU: the same runs with the Triton lowering
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def train(tmp_path, compiled: bool, bf16: bool, steps=6, resume=None, save_steps=3, device="cpu"):
     """(log history, final adapters, reports compiled) of a Trainer run on the demo text."""
     model = tiny_lora_model("llama", vocab_size=VOCAB)
     torch._dynamo.reset()
@@ -22,7 +26,7 @@ def train(tmp_path, compiled: bool, bf16: bool, steps=6, resume=None, save_steps
         model.compile(backend="graphopt")  # in place: the Trainer still sees the PeftModel's forward signature
     data = sentences()[:20]  # whole batches of 4: a last batch of one would compile once more (Dynamo specializes 1)
     args = transformers.TrainingArguments(
-        str(tmp_path / ("compiled" if compiled else "eager")), use_cpu=True, bf16=bf16, seed=0, data_seed=0,
+        str(tmp_path / ("compiled" if compiled else "eager")), use_cpu=device == "cpu", bf16=bf16, seed=0, data_seed=0,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=steps, learning_rate=2e-3,
         max_grad_norm=1.0, logging_steps=1, eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=4,
         save_steps=save_steps, report_to=[], disable_tqdm=True)
@@ -37,10 +41,11 @@ def logged(history, key):
     return [entry[key] for entry in history if key in entry]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16=True"])
-def test_trainer_matches_the_uncompiled_trainer(tmp_path, bf16):
-    eager_history, eager_adapters, _ = train(tmp_path, compiled=False, bf16=bf16)
-    history, adapters, reports = train(tmp_path, compiled=True, bf16=bf16)
+def test_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device):
+    eager_history, eager_adapters, _ = train(tmp_path, compiled=False, bf16=bf16, device=device)
+    history, adapters, reports = train(tmp_path, compiled=True, bf16=bf16, device=device)
     # Liger's convergence tolerances in bf16; fp32 as every other fp32 comparison
     close = (dict(rel=5e-2, abs=1e-2) if bf16 else dict(rel=1e-5))
     for key in ("loss", "grad_norm", "eval_loss"):
