@@ -64,6 +64,11 @@ def assert_matches_eager_under_autocast(model, autocast_dtype, inside=False):
     return report
 
 
+def fusions(report):
+    """{pattern: count} without SDPA's rewrites, which depend on the transformers version (test_end_to_end.py)."""
+    return {p: n for p, n in report.summary().items() if not p.startswith("attention_")}
+
+
 def expected_fusions(model, arch):
     return {"rms_norm": rms_norm_modules(model), "rope": 2, "geglu" if arch == "gemma" else "swiglu": 2,
             "lora": len(adapted_layers(model)), "linear_cross_entropy": 1}
@@ -75,7 +80,7 @@ def test_fp32_weights_under_bf16_autocast(arch, device):
     """HF Trainer's bf16=True: fp32 weights and adapters, the forward under bf16 autocast."""
     model = tiny_lora_model(arch).to(device)
     report = assert_matches_eager_under_autocast(model, torch.bfloat16)
-    assert report.summary() == expected_fusions(model, arch) and report.misses == []
+    assert fusions(report) == expected_fusions(model, arch) and report.misses == []
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -84,13 +89,13 @@ def test_fp32_weights_under_bf16_autocast(arch, device):
 def test_bf16_base_under_autocast(adapter_dtype, autocast_dtype, device):
     model = tiny_lora_model("llama", torch.bfloat16, adapter_dtype=adapter_dtype).to(device)
     report = assert_matches_eager_under_autocast(model, autocast_dtype)
-    assert report.summary() == expected_fusions(model, "llama") and report.misses == []
+    assert fusions(report) == expected_fusions(model, "llama") and report.misses == []
 
 
 def test_autocast_entered_inside_the_compiled_forward():
     model = tiny_lora_model("qwen2")
     report = assert_matches_eager_under_autocast(model, torch.bfloat16, inside=True)
-    assert report.summary() == expected_fusions(model, "qwen2") and report.misses == []
+    assert fusions(report) == expected_fusions(model, "qwen2") and report.misses == []
 
 
 def test_autocast_changes_the_compiled_numbers_as_it_changes_eager():
