@@ -36,6 +36,11 @@ from graphopt.passes.registry import FUSIONS
 from graphopt.report import Report, publish, reports, rewrite, withdraw
 
 
+DYNAMIC_SHAPES = ("dynamic shapes: one graph serves every size of its symbolic dimensions, without CUDA graphs under "
+                  "cuda_graphs=\"auto\" (one would be recorded per size), keeping tensors of symbolic shape on the "
+                  "device under offload, and with masks not provably causal at a symbolic length kept as they are")
+
+
 def compile_graph(gm, example_inputs, options: Options):
     # 1. capture
     report = Report(graph=len(reports()), nodes_captured=len(gm.graph.nodes))
@@ -59,10 +64,13 @@ def compile_graph(gm, example_inputs, options: Options):
     lowering = lowering_registry.lowering_for(report.target)
     check_cuda_graphs(options, report.target)
     lowering_registry.record(gm, lowering, report)
+    dynamic = _has_dynamic_shapes(gm, example_inputs)
+    if dynamic:
+        report.notes.append(DYNAMIC_SHAPES)
     if lowering.inductor:  # and whether Inductor replays the graph as CUDA graphs
         training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                    for x in example_inputs)
-        graphs, why = cuda_graphs_decision(options, lowering, _has_dynamic_shapes(gm, example_inputs), training)
+        graphs, why = cuda_graphs_decision(options, lowering, dynamic, training)
         report.cuda_graphs = {"on": graphs, "why": why}
 
     # 7. report: published before Inductor compiles, so a compile error can be read against it
