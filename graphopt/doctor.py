@@ -55,6 +55,9 @@ def _cases(device: torch.device, dtype: torch.dtype):
     hidden, lm_head = randn(8, 64), randn(100, 64)
     target = torch.randint(0, 100, (8,), generator=g).to(device)
     d_hidden, d_weight = randn(8, 64, dtype=torch.float32), randn(100, 64, dtype=torch.float32)
+    # TRL's head at temperature 0.7, softcap 30; is_top1 left out: a near tie may flip between dtypes
+    head = (hidden, lm_head, None, target, 0.7, 30.0, 1.0, dtype)
+    stats = reference.linear_logprobs(*head, True, True, True, False, 4)
     graphopt = torch.ops.graphopt
     return [
         (graphopt.rms_norm, (x, w, 1e-6, 0.0, dtype), reference.rms_norm),
@@ -69,6 +72,10 @@ def _cases(device: torch.device, dtype: torch.dtype):
          reference.linear_cross_entropy),
         (graphopt.linear_cross_entropy_backward, (randn(()), d_hidden, d_weight),
          reference.linear_cross_entropy_backward),
+        (graphopt.linear_logprobs, (*head, True, True, True, False, 4), reference.linear_logprobs),
+        (graphopt.linear_logprobs_backward, (randn(8, dtype=torch.float32), randn(8, dtype=torch.float32), *head[:4],
+                                             stats[5], stats[1], *head[4:], 4, True, True),
+         reference.linear_logprobs_backward),
     ]
 
 

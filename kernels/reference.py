@@ -184,3 +184,102 @@ def linear_cross_entropy_backward(grad_loss, d_hidden, d_weight):
         return torch.where(d == 0, 0, d * grad_loss).to(d.dtype)
 
     return scaled(d_hidden), scaled(d_weight)
+
+
+# Linear log-probabilities (TRL's chunked log-prob head, trl/kernels/chunked_logprob.py): per-token statistics of
+# the next-token distribution of a linear head, in row chunks so the [tokens × vocab] logits never exist at once.
+#   y = hidden·Wᵀ (+ b), hidden, W and b cast to compute_dtype (autocast's dtype, else hidden's), read in fp32;
+#   z = y·logit_scale; with softcap c > 0, z = c·tanh(z / c); z = z·(1 / temperature) (that order, as TRL).
+# Per row, with lse = logsumexp(z) and p = softmax(z):
+#   log_probs = z[target] − lse; entropy = −Σ p·log p = lse − Σ p·z; log_sum_sq_probs = log Σ p²;
+#   mean_logits = mean(z); is_top1 = target is the first maximum of z (argmax); log_z = lse, kept for the backward.
+# Outputs not asked for are empty tensors. Every row has a target in [0, vocab): positions without a label are
+# scored with any label and masked by the caller, as TRL does.
+# The backward recomputes each chunk's logits and takes d log_probs/dz = onehot − p and d entropy/dz = −p·(log p +
+# entropy), through 1/temperature, the softcap's 1 − tanh² and logit_scale; that gradient of y is rounded to
+# compute_dtype (as TRL writes it over its logits tile) and the gradients of hidden and W are accumulated in fp32,
+# then returned in their own dtypes.
+
+def _logprob_stats_dtype(compute_dtype):
+    return torch.promote_types(compute_dtype, torch.float32)
+
+
+def _head_logits(h, weight, bias, logit_scale, softcap, temperature):
+    """(z, tanh(y·logit_scale / softcap) or None) of one chunk of rows, in the statistics' dtype."""
+    y = h @ weight.t()
+    if bias is not None:  # added to the rounded product, as TRL's tile is
+        y = y + bias
+    z = y.to(_logprob_stats_dtype(y.dtype)) * logit_scale
+    capped = None
+    if softcap > 0:
+        capped = torch.tanh(z / softcap)
+        z = capped * softcap
+    return z * (1 / temperature), capped  # times 1/temperature, as TRL rounds it
+
+
+def _head_in(weight, bias, compute_dtype):
+    return weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype)
+
+
+def linear_logprobs(hidden, weight, bias, targets, temperature, softcap, logit_scale, compute_dtype, entropy,
+                    log_sum_sq_probs, mean_logits, is_top1, chunk_rows):
+    """(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, log_z), each [N] (empty when not asked);
+    hidden [N, H], weight [V, H], targets [N]."""
+    torch._check(bool(((targets >= 0) & (targets < weight.shape[0])).all()),
+                 lambda: "linear_logprobs: a target is outside [0, vocab)")
+    stats = _logprob_stats_dtype(compute_dtype)
+    rows, device = hidden.shape[0], hidden.device
+    w, b = _head_in(weight, bias, compute_dtype)
+    log_probs, log_z = torch.empty(rows, dtype=stats, device=device), torch.empty(rows, dtype=stats, device=device)
+    wanted = dict(entropy=entropy, log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits)
+    extras = {name: torch.empty(rows if on else 0, dtype=stats, device=device) for name, on in wanted.items()}
+    top1 = torch.empty(rows if is_top1 else 0, dtype=torch.bool, device=device)
+    for start in range(0, rows, chunk_rows):
+        part = slice(start, start + chunk_rows)
+        z, _ = _head_logits(hidden[part].to(compute_dtype), w, b, logit_scale, softcap, temperature)
+        lse = torch.logsumexp(z, dim=-1)
+        t = targets[part].unsqueeze(1)
+        log_z[part] = lse
+        log_probs[part] = z.gather(1, t).squeeze(1) - lse
+        if entropy:
+            extras["entropy"][part] = lse - (torch.exp(z - lse.unsqueeze(1)) * z).sum(-1)
+        if log_sum_sq_probs:
+            extras["log_sum_sq_probs"][part] = torch.logsumexp(2 * z, dim=-1) - 2 * lse
+        if mean_logits:
+            extras["mean_logits"][part] = z.mean(-1)
+        if is_top1:
+            top1[part] = z.argmax(-1) == targets[part]
+    return log_probs, extras["entropy"], extras["log_sum_sq_probs"], extras["mean_logits"], top1, log_z
+
+
+def linear_logprobs_backward(grad_log_probs, grad_entropy, hidden, weight, bias, targets, log_z, entropy,
+                             temperature, softcap, logit_scale, compute_dtype, chunk_rows, grad_hidden, grad_weight):
+    """(d hidden or an empty tensor, d weight or an empty tensor) from the incoming gradients of log_probs and of
+    entropy (an empty grad_entropy: the entropy was not computed, so no term)."""
+    stats = _logprob_stats_dtype(compute_dtype)
+    w, b = _head_in(weight, bias, compute_dtype)
+    d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if grad_hidden else None
+    d_weight = torch.zeros(weight.shape, dtype=stats, device=weight.device) if grad_weight else None
+    g_log_probs = grad_log_probs.to(stats)
+    g_entropy = grad_entropy.to(stats) if grad_entropy.numel() else None
+    for start in range(0, hidden.shape[0], chunk_rows):
+        part = slice(start, start + chunk_rows)
+        h = hidden[part].to(compute_dtype)
+        z, capped = _head_logits(h, w, b, logit_scale, softcap, temperature)
+        log_p = z - log_z[part].unsqueeze(1)
+        p = torch.exp(log_p)
+        dz = -p
+        dz.scatter_add_(1, targets[part].unsqueeze(1), torch.ones_like(p[:, :1]))
+        dz *= g_log_probs[part].unsqueeze(1)
+        if g_entropy is not None:
+            dz -= g_entropy[part].unsqueeze(1) * p * (log_p + entropy[part].unsqueeze(1))
+        dz = dz * (1 / temperature)
+        if capped is not None:
+            dz = dz * (1 - capped * capped)
+        dy = (dz * logit_scale).to(compute_dtype).to(stats)
+        if grad_hidden:
+            d_hidden[part] = (dy @ w.to(stats)).to(hidden.dtype)
+        if grad_weight:
+            d_weight += dy.t() @ h.to(stats)
+    return (d_hidden if grad_hidden else hidden.new_empty(0),
+            d_weight.to(weight.dtype) if grad_weight else weight.new_empty(0))

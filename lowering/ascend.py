@@ -10,6 +10,8 @@ operator exists. The graph around them runs eagerly (aot_autograd without Induct
   linear_cross_entropy     per chunk of rows: the lm_head matmul, then npu_cross_entropy_loss (sum over the
                            chunk), the gradient from its log-probabilities; the logits never exist whole
   lora_linear, backwards   matmuls and pointwise ops: the reference (kernels/reference.py)
+  linear_logprobs          the reference, one chunk of rows at a time (no torch_npu operator returns the entropy or
+                           the other statistics; npu_cross_entropy_loss gives only the log-probabilities)
 
 torch_npu is never imported here: with it installed, torch.ops.npu.* exist; without it (CI), tests define a
 stand-in with the exact schemas (tests/npu_standin.py). Not yet run on Ascend hardware: the operators' layout
@@ -35,6 +37,8 @@ IMPLEMENTATIONS = {
     torch.ops.graphopt.linear_cross_entropy_backward.default: "pure-torch reference (scales the forward's gradients)",
     torch.ops.graphopt.lora_linear.default: "pure-torch reference (kernels/reference.py matmuls)",
     torch.ops.graphopt.lora_linear_backward.default: "pure-torch reference (kernels/reference.py matmuls)",
+    torch.ops.graphopt.linear_logprobs.default: "pure-torch reference, one chunk of rows at a time (logits not whole)",
+    torch.ops.graphopt.linear_logprobs_backward.default: "pure-torch reference, one chunk of rows at a time",
 }
 
 

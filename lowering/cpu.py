@@ -1,6 +1,6 @@
 """CPU target: graphopt ops decompose into aten below autograd, so Inductor's C++ backend fuses them into
-its generated code while each op's hand-written backward formula stays; lora_linear and linear_cross_entropy
-stay opaque (below)."""
+its generated code while each op's hand-written backward formula stays; lora_linear, linear_cross_entropy and
+linear_logprobs stay opaque (below)."""
 
 import torch
 
@@ -14,6 +14,11 @@ LORA_OPAQUE = "kernels/reference.py matmuls as one op (saves x in its own dtype,
 # linear_cross_entropy stays one opaque op everywhere: its chunk loop is what keeps the logits from existing whole.
 LINEAR_CE_OPAQUE = ("kernels/reference.py, one chunk of rows at a time: lm_head matmul, fp32 log-softmax and its "
                     "gradient; the [tokens × vocab] logits never exist at once")
+# linear_logprobs and its backward stay opaque for the same reason.
+LINEAR_LOGPROBS_OPAQUE = ("kernels/reference.py, one chunk of rows at a time: lm_head matmul, fp32 statistics of the "
+                          "next-token distribution; the [tokens × vocab] logits never exist at once")
+LINEAR_LOGPROBS_BACKWARD_OPAQUE = ("kernels/reference.py, one chunk of rows at a time: the logits recomputed, their "
+                                   "gradient, dX and dW accumulated in fp32")
 
 DECOMPOSITIONS = {
     torch.ops.graphopt.rms_norm.default: reference.rms_norm,
@@ -27,4 +32,6 @@ DECOMPOSITIONS = {
 _DECOMPOSED = "aten decomposition of kernels/reference.py, compiled by Inductor (C++)"
 IMPLEMENTATIONS = {op: _DECOMPOSED for op in DECOMPOSITIONS} | {
     op: LORA_OPAQUE for op in (torch.ops.graphopt.lora_linear.default, torch.ops.graphopt.lora_linear_backward.default)
-} | {torch.ops.graphopt.linear_cross_entropy.default: LINEAR_CE_OPAQUE}
+} | {torch.ops.graphopt.linear_cross_entropy.default: LINEAR_CE_OPAQUE,
+     torch.ops.graphopt.linear_logprobs.default: LINEAR_LOGPROBS_OPAQUE,
+     torch.ops.graphopt.linear_logprobs_backward.default: LINEAR_LOGPROBS_BACKWARD_OPAQUE}

@@ -339,6 +339,97 @@ def _linear_ce_grad(ctx, grad_loss, _d_hidden, _d_weight):
 linear_cross_entropy.register_autograd(_linear_ce_grad, setup_context=_linear_ce_setup_context)
 
 
+# --- linear_logprobs (TRL's chunked log-prob head: per-token log-probs and statistics, logits never whole) --------
+
+@torch.library.custom_op("graphopt::linear_logprobs", mutates_args=())
+def linear_logprobs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, temperature: float,
+                    softcap: float, logit_scale: float, compute_dtype: torch.dtype, entropy: bool,
+                    log_sum_sq_probs: bool, mean_logits: bool, is_top1: bool,
+                    chunk_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1, log_z) per row of hidden, of the next-token
+    distribution softmax(((hidden·Wᵀ + b)·logit_scale, softcapped) / temperature), computed chunk_rows rows at a
+    time in compute_dtype (statistics in fp32); an output not asked for is an empty tensor. kernels/reference.py
+    states the exact semantics."""
+    check_linear_logprobs(hidden, weight, bias, targets, temperature, softcap, compute_dtype, chunk_rows)
+    return reference.linear_logprobs(hidden, weight, bias, targets, temperature, softcap, logit_scale, compute_dtype,
+                                     entropy, log_sum_sq_probs, mean_logits, is_top1, chunk_rows)
+
+
+@linear_logprobs.register_fake
+def _linear_logprobs_fake(hidden, weight, bias, targets, temperature, softcap, logit_scale, compute_dtype, entropy,
+                          log_sum_sq_probs, mean_logits, is_top1, chunk_rows):
+    check_linear_logprobs(hidden, weight, bias, targets, temperature, softcap, compute_dtype, chunk_rows)
+    rows, stats = hidden.shape[0], torch.promote_types(compute_dtype, torch.float32)
+
+    def per_row(asked, dtype=stats):
+        return hidden.new_empty(rows if asked else 0, dtype=dtype)
+
+    return (per_row(True), per_row(entropy), per_row(log_sum_sq_probs), per_row(mean_logits),
+            per_row(is_top1, torch.bool), per_row(True))
+
+
+@torch.library.custom_op("graphopt::linear_logprobs_backward", mutates_args=())
+def linear_logprobs_backward(grad_log_probs: Tensor, grad_entropy: Tensor, hidden: Tensor, weight: Tensor,
+                             bias: Optional[Tensor], targets: Tensor, log_z: Tensor, entropy: Tensor,
+                             temperature: float, softcap: float, logit_scale: float, compute_dtype: torch.dtype,
+                             chunk_rows: int, grad_hidden: bool, grad_weight: bool) -> tuple[Tensor, Tensor]:
+    """(d hidden, d weight) from the gradients of log_probs and entropy (grad_entropy empty: no entropy term); the
+    logits are recomputed chunk by chunk; a gradient not asked for is an empty tensor."""
+    check_linear_logprobs(hidden, weight, bias, targets, temperature, softcap, compute_dtype, chunk_rows)
+    d_hidden, d_weight = reference.linear_logprobs_backward(
+        grad_log_probs, grad_entropy, hidden, weight, bias, targets, log_z, entropy, temperature, softcap,
+        logit_scale, compute_dtype, chunk_rows, grad_hidden, grad_weight)
+    return d_hidden.contiguous(), d_weight.contiguous()
+
+
+@linear_logprobs_backward.register_fake
+def _linear_logprobs_backward_fake(grad_log_probs, grad_entropy, hidden, weight, bias, targets, log_z, entropy,
+                                   temperature, softcap, logit_scale, compute_dtype, chunk_rows, grad_hidden,
+                                   grad_weight):
+    check_linear_logprobs(hidden, weight, bias, targets, temperature, softcap, compute_dtype, chunk_rows)
+    return (hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if grad_weight else weight.new_empty(0))
+
+
+def check_linear_logprobs(hidden, weight, bias, targets, temperature, softcap, compute_dtype, chunk_rows):
+    """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
+    torch._check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
+                 lambda: f"linear_logprobs: hidden {tuple(hidden.shape)} must be [tokens, hidden] rows of the "
+                         f"weight's width {tuple(weight.shape)}")
+    torch._check(bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
+                 lambda: "linear_logprobs: bias must be [vocab]")
+    torch._check(targets.dim() == 1 and targets.shape[0] == hidden.shape[0] and targets.dtype == torch.long,
+                 lambda: f"linear_logprobs: targets {tuple(targets.shape)} {targets.dtype} must be int64, one per "
+                         f"row of hidden {tuple(hidden.shape)}")
+    torch._check(compute_dtype.is_floating_point,
+                 lambda: f"linear_logprobs: compute_dtype {compute_dtype} is not a float dtype")
+    torch._check(temperature > 0 and softcap >= 0,
+                 lambda: f"linear_logprobs: temperature={temperature} must be > 0 and softcap={softcap} >= 0")
+    torch._check(chunk_rows > 0, lambda: f"linear_logprobs: chunk_rows={chunk_rows} must be positive")
+
+
+def _linear_logprobs_setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets, temperature, softcap, logit_scale, compute_dtype, *_, chunk_rows = inputs
+    _, entropy, log_sum_sq_probs, mean_logits, _, log_z = output
+    ctx.mark_non_differentiable(log_sum_sq_probs, mean_logits, log_z)
+    ctx.save_for_backward(hidden, weight, bias, targets, log_z, entropy)
+    ctx.settings = (temperature, softcap, logit_scale, compute_dtype, chunk_rows)
+
+
+def _linear_logprobs_grad(ctx, grad_log_probs, grad_entropy, *_):
+    if ctx.needs_input_grad[2]:
+        raise RuntimeError("graphopt::linear_logprobs computes no gradient for the lm_head bias: it must be frozen "
+                           "(requires_grad=False); the fusion pass never fuses otherwise")
+    hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
+    wanted = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    d_hidden, d_weight = torch.ops.graphopt.linear_logprobs_backward(
+        grad_log_probs, grad_entropy, hidden, weight, bias, targets, log_z, entropy, *ctx.settings, *wanted)
+    return (d_hidden if wanted[0] else None, d_weight if wanted[1] else None) + (None,) * 11
+
+
+linear_logprobs.register_autograd(_linear_logprobs_grad, setup_context=_linear_logprobs_setup_context)
+
+
 # --- offload / reload: saved activations to host memory and back (inserted by passes/offload.py) -----------
 
 # Captured in CUDA graphs with the rest of the step: no host tensor crosses the graph's boundary (a token stands
@@ -438,5 +529,6 @@ BACKWARD_OF = {
     torch.ops.graphopt.rope.default: torch.ops.graphopt.rope_backward.default,
     torch.ops.graphopt.lora_linear.default: torch.ops.graphopt.lora_linear_backward.default,
     torch.ops.graphopt.linear_cross_entropy.default: torch.ops.graphopt.linear_cross_entropy_backward.default,
+    torch.ops.graphopt.linear_logprobs.default: torch.ops.graphopt.linear_logprobs_backward.default,
 }
 ALL_OPS = [op for pair in BACKWARD_OF.items() for op in pair]

@@ -250,6 +250,23 @@ def _linear_cross_entropy_flops(hidden_shape, weight_shape, bias_shape, target_s
     return 2 * rows * vocab * hidden * (1 + grad_hidden + grad_weight)  # logits, then each gradient asked for
 
 
+# TRL's head (graphopt::linear_logprobs) is priced by its lm_head matmul, so the knapsack keeps its [tokens] outputs
+# (log_z, entropy) rather than recompute it. It computes no gradient in the forward (the backward recomputes the
+# logits), so a recompute would cost time, never correctness: never_recompute_the_loss leaves it to the knapsack.
+@register_flop_formula(torch.ops.graphopt.linear_logprobs)
+def _linear_logprobs_flops(hidden_shape, weight_shape, *args, **kwargs):
+    rows, (vocab, hidden) = hidden_shape[0], weight_shape
+    return 2 * rows * vocab * hidden
+
+
+@register_flop_formula(torch.ops.graphopt.linear_logprobs_backward)
+def _linear_logprobs_backward_flops(grad_log_probs_shape, grad_entropy_shape, hidden_shape, weight_shape, bias_shape,
+                                    targets_shape, log_z_shape, entropy_shape, temperature, softcap, logit_scale,
+                                    compute_dtype, chunk_rows, grad_hidden, grad_weight, **kwargs):
+    rows, (vocab, hidden) = hidden_shape[0], weight_shape
+    return 2 * rows * vocab * hidden * (1 + grad_hidden + grad_weight)  # the logits again, then each gradient
+
+
 # torch before 2.13 counts SDPA's FLOPs only when k and v have q's number of heads: under GQA (enable_gqa, which
 # passes/attention.py sets) its formula raises, in the knapsack's estimator and in the report. Counted here as the
 # repeated k and v SDPA computes with, which is what later torch counts too.

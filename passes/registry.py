@@ -6,6 +6,7 @@ from graphopt.passes.fuse_lora import fuse_lora
 from graphopt.passes.fuse_rmsnorm import fuse_rmsnorm
 from graphopt.passes.fuse_rope import fuse_rope
 from graphopt.passes.fuse_swiglu import fuse_swiglu
+from graphopt.passes.fuse_trl_logprob import fuse_trl_logprob
 
 FUSIONS = {
     "attention": rewrite_attention,  # SDPA: a provably causal mask → is_causal, repeat_kv → enable_gqa
@@ -14,4 +15,5 @@ FUSIONS = {
     "swiglu": fuse_swiglu,  # SwiGLU and GeGLU
     "lora": fuse_lora,
     "linear_cross_entropy": fuse_linear_ce,  # lm_head + loss; the logits policy follows (passes/drop_logits.py)
+    "trl_logprobs": fuse_trl_logprob,  # TRL's chunked log-prob head (SFT, DPO, GRPO, KTO, RLOO trainers)
 }

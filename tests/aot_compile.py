@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import KernelInterface
 
-from graphopt.kernels import cross_entropy, gated_activation, layout, lora, rmsnorm, rope
+from graphopt.kernels import cross_entropy, gated_activation, layout, linear_logprobs, lora, rmsnorm, rope
 
 # SMs or CUs of each target's GPU: H100/H200, A100, MI300X, one MI250X die (ROCm shows each as a GPU), RX 7900 XTX
 MULTIPROCESSORS = {"90": 132, "80": 108, "gfx942": 304, "gfx90a": 110, "gfx1100": 96}
@@ -84,6 +84,12 @@ def run_launch_functions(multiprocessors):
         target = torch.randint(0, 1000, (64,), generator=g)
         for softcap in (0.0, 30.0):
             cross_entropy.linear_cross_entropy(hidden, lm_head, None, target, -100, "mean", softcap, 32, True, False)
+        # TRL's head with every statistic and softcapping; its backward with the entropy's gradient
+        head = (hidden, lm_head, None, target, 0.7, 30.0, 1.0, dtype)
+        linear_logprobs.linear_logprobs(*head, True, True, True, True, 32)
+        per_row = randn(64, dtype=torch.float32)
+        linear_logprobs.linear_logprobs_backward(per_row, per_row, *head[:4], per_row, per_row, *head[4:], 32, True,
+                                                 True)
 
 
 def main(backend, arch, warp_size):
