@@ -2,7 +2,9 @@
 
 A byte-level model (vocab 256, random base weights) learns the text in graphopt/data/demo.txt with
 PEFT LoRA adapters on every projection; the loss falls over a few dozen AdamW steps, then the fusion
-report is printed. Runs on the GPU when there is one, else on the CPU.
+report is printed. Runs on the GPU when there is one, else on the CPU. With --trainer the same fine-tune runs
+through transformers.Trainer with bf16=True (fp32 weights under bf16 autocast), on packed batches of the text's
+lines, the model compiled in place first: the one line graphopt asks of a Trainer user.
 """
 
 import argparse
@@ -44,7 +46,11 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--report", default=None, help="also write the report to this .txt/.json/.html path")
+    parser.add_argument("--trainer", action="store_true",
+                        help="train through transformers.Trainer (bf16=True, packed batches) instead of a plain loop")
     args = parser.parse_args(argv)
+    if args.trainer:
+        return train_with_trainer(args)
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -70,6 +76,30 @@ def main(argv=None) -> None:
 
     import graphopt
 
+    print()
+    print(graphopt.last_report().to_text())
+
+
+def train_with_trainer(args) -> None:
+    """The fine-tune through HF's Trainer: model.compile(...) is the only line graphopt adds."""
+    import graphopt
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = tiny_llama(device, torch.float32)  # fp32 weights: bf16=True runs the forward under bf16 autocast
+    model.config.use_cache = False  # packed batches: HF keeps the documents apart only without a KV cache
+    options = {"report": args.report} if args.report else {}
+    # In place, not torch.compile(model): the Trainer reads the forward's signature (labels, input columns) from
+    # the model it is given, and a compiled wrapper's signature is (*args, **kwargs).
+    model.compile(backend="graphopt", options=options)
+    lines = [{"input_ids": list(line.encode())} for line in TEXT.read_text().splitlines() if line.strip()]
+    training = transformers.TrainingArguments(
+        "graphopt-demo-trainer", bf16=True, use_cpu=device.type == "cpu", per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=2, max_steps=args.steps, learning_rate=args.lr, max_grad_norm=1.0,
+        logging_steps=5, save_strategy="no", report_to=[], disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=training, train_dataset=lines,
+                                   data_collator=transformers.DataCollatorWithFlattening())
+    trainer.train()
     print()
     print(graphopt.last_report().to_text())
 

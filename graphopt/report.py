@@ -320,7 +320,9 @@ def module_path(node: torch.fx.Node) -> str:
     if not stack:
         return "<top level>"
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    # the compiled frame's root: L['self'], or L['args'][0] when a wrapper of forward was compiled (accelerate's
+    # autocast around model.forward under nn.Module.compile)
+    path = re.sub(r"^L\['[^']*'\](?:\[0\])?\.?", "", path)
     path = re.sub(r"\.?(?:__dict__\['_modules'\]|_modules)\['([^']+)'\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     return path.strip(".") or "<root>"
