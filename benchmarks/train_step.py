@@ -50,6 +50,7 @@ from common import device_name, host_link_gib_s, launch_us, version_of
 
 VARIANTS = ("eager", "inductor", "graphopt", "liger", "unsloth")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_R = 16
 LORA_ALPHA = 16
@@ -183,9 +184,11 @@ def prepare(args, device, dtype):
     return model, model, None
 
 
-def train_step(forward, optimizer, input_ids):
+def train_step(forward, optimizer, input_ids, autocast=None):
+    """One step; with autocast (a dtype) the forward runs under torch.autocast, as HF's bf16=True / fp16=True."""
     torch.compiler.cudagraph_mark_step_begin()  # a new step: CUDA graph trees may reuse the last step's outputs
-    loss = forward(input_ids=input_ids, labels=input_ids).loss
+    with torch.autocast(input_ids.device.type, autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = forward(input_ids=input_ids, labels=input_ids).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -210,14 +213,14 @@ KERNEL_KINDS = (
 )
 
 
-def profile_steps(forward, optimizer, input_ids, device, path, steps=2):
+def profile_steps(forward, optimizer, input_ids, device, path, steps=2, autocast=None):
     """Profile a few more steps: print device time per kind of kernel and the top kernels; chrome trace to path."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            train_step(forward, optimizer, input_ids)
+            train_step(forward, optimizer, input_ids, autocast)
         synchronize(device)
     prof.export_chrome_trace(path)
     kernels = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if device.type == "cuda" else "CPU")]
@@ -312,7 +315,7 @@ def allocations_at_peak(events, start):
     return peak, at_peak
 
 
-def print_memory_at_peak(forward, optimizer, input_ids, device, top=30):
+def print_memory_at_peak(forward, optimizer, input_ids, device, top=30, autocast=None):
     """One more step under the CUDA allocator's history: replay its allocations and frees, and print what was
     allocated at the step's peak, largest first, each with the source line that allocated it (for Inductor's
     generated code, the line of its wrapper, which names the buffer)."""
@@ -320,7 +323,7 @@ def print_memory_at_peak(forward, optimizer, input_ids, device, top=30):
 
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     start = torch.cuda.memory_allocated(device)
-    train_step(forward, optimizer, input_ids)
+    train_step(forward, optimizer, input_ids, autocast)
     synchronize(device)
     events = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -354,6 +357,7 @@ def print_memory_at_peak(forward, optimizer, input_ids, device, top=30):
 def run(args):
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
+    autocast = AUTOCAST[args.autocast]
     # What the host brings, measured before the model: hosts of one GPU kind differ (RESULTS.md, ninth session)
     host_link, host_launch_us = host_link_gib_s(device), launch_us(device)
     # keep_alive (Unsloth's saved checkpoint) must outlive the steps: held here until run() returns.
@@ -372,7 +376,7 @@ def run(args):
     for _ in range(args.warmup):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        loss = train_step(forward, optimizer, input_ids)
+        loss = train_step(forward, optimizer, input_ids, autocast)
         if first_loss is None:
             first_loss = loss.item()
         if device.type == "cuda":
@@ -389,7 +393,7 @@ def run(args):
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     for _ in range(args.steps):
-        loss = train_step(forward, optimizer, input_ids)
+        loss = train_step(forward, optimizer, input_ids, autocast)
     synchronize(device)
     seconds = time.perf_counter() - start
     peak_alloc = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -411,9 +415,9 @@ def run(args):
             print(next(line for line in graphopt.last_report().to_text().splitlines() if "estimated peak" in line),
                   file=sys.stderr)
     if args.profile:
-        profile_steps(forward, optimizer, input_ids, device, args.profile)
+        profile_steps(forward, optimizer, input_ids, device, args.profile, autocast=autocast)
     if args.memory_at_peak and device.type == "cuda":
-        print_memory_at_peak(forward, optimizer, input_ids, device)
+        print_memory_at_peak(forward, optimizer, input_ids, device, autocast=autocast)
 
     result = {
         "variant": args.variant,
@@ -423,6 +427,7 @@ def run(args):
         "batch": args.batch,
         "seq": args.seq,
         "dtype": args.dtype,
+        "autocast": args.autocast,
         "device": device.type,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -534,6 +539,9 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before, where compilation happens")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--autocast", choices=sorted(AUTOCAST), default="none",
+                        help="run the forward under torch.autocast of this dtype (HF's bf16=True: --dtype fp32 "
+                             "--autocast bf16)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line of results to PATH")
     parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"keep_logits\": true}'")
