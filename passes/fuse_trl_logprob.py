@@ -12,14 +12,16 @@ scalars in a loop-carried fp32 variable).
 So this module shows the head to Dynamo as one call (expose_trl_head, when the backend is loaded), for the TRL
 releases whose head it was checked against (VERIFIED_TRL): the Function is allowed in the graph
 (torch._dynamo.allow_in_graph), so Dynamo records one call of its apply and finds the outputs' shapes by running it
-on fake tensors. Two changes to TRL's module make that run safe, and change nothing for real tensors:
-- its forward, under Dynamo's shape propagation (a fake mode, no tracer recording ops), returns empty outputs of
+on fake tensors. Its forward and backward are wrapped to make that safe, and run TRL's code unchanged on real
+tensors (_traceable):
+- under Dynamo's shape propagation (a fake mode, no tracer recording ops) the forward returns empty outputs of
   TRL's shapes, dtypes and autograd flags: TRL's loop over token chunks (range over the token count) would
   specialize every batch size into a recompile;
-- its `_use_triton` answers False while a fake mode is active, so a traced run (aot_autograd, when the call stays
-  unfused) takes TRL's torch path instead of launching its Triton kernels on tensors without data.
-Other TRL releases are not exposed: Dynamo breaks the graph at their head as before, and each graph that TRL's
-patched forward contributed to gets a miss saying why.
+- traced by aot_autograd (a call left unfused), both take TRL's torch path (its `_use_triton` answers False
+  meanwhile) instead of launching its Triton kernels on tensors without data.
+Other TRL releases are not exposed: Dynamo breaks the graph at their head as before, their Function runs uncompiled
+(torch._dynamo.disable: compiled in its own frames, TRL 1.15's Triton kernel fails in Inductor), and each graph
+that TRL's patched forward contributed to gets a miss saying why.
 
 The pass then replaces each call it can prove: TRL's class from its module, the forward's parameters and optional
 outputs as read there, a frozen bias, a positive temperature, softcapping None or positive, constant scalars,
@@ -28,6 +30,7 @@ hidden's. Anything else stays TRL's call, with a miss: aot_autograd then traces 
 what TRL computes.
 """
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -42,7 +45,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from graphopt.passes.fuse_linear_ce import LOGITS_CHUNK_BYTES
 from graphopt.passes.match import FUSABLE_DTYPES, autocast_regions, is_scalar, value
-from graphopt.report import record_for
+from graphopt.report import record_for, source_location
 
 PATTERN = "trl_logprobs"
 TRL_MODULE = "trl.kernels.chunked_logprob"
@@ -66,28 +69,46 @@ def _trl_version() -> str:
         return "unknown"
 
 
-def _use_triton_unless_traced(use_triton):
-    def use_triton_unless_traced(device):
-        return torch._guards.detect_fake_mode() is None and use_triton(device)  # fake tensors hold no data
+@contextlib.contextmanager
+def _torch_path(module):
+    """TRL's torch path instead of its Triton kernels, which cannot run on fake tensors (no data)."""
+    use_triton = module._use_triton
+    module._use_triton = lambda device: False
+    try:
+        yield
+    finally:
+        module._use_triton = use_triton
 
-    return use_triton_unless_traced
 
+def _traceable(function, module):
+    """TRL's forward and backward, unchanged on real tensors (see the module's docstring)."""
+    forward, backward = function.forward, function.backward
 
-def _shapes_when_propagated(forward):
     @functools.wraps(forward)
-    def forward_or_shapes(ctx, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
-                          logit_scale=1.0, outputs=_OUTPUTS[1:]):
-        if torch._guards.detect_fake_mode() is None or get_proxy_mode() is not None:
-            return forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
-                           logit_scale, outputs)
-        rows = hidden.shape[0]
-        per_token = [hidden.new_empty(rows, dtype=torch.bool if name == "is_top1" else torch.float32)
-                     if name == "log_probs" or name in outputs else None for name in _OUTPUTS]
-        ctx.mark_non_differentiable(*(t for t in per_token[2:] if t is not None))  # as TRL marks them
-        return tuple(per_token)
+    def forward_when_traced(ctx, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+                            logit_scale=1.0, outputs=_OUTPUTS[1:]):
+        args = (ctx, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
+                outputs)
+        if torch._guards.detect_fake_mode() is None:
+            return forward(*args)
+        if get_proxy_mode() is None:  # Dynamo's shape propagation
+            rows = hidden.shape[0]
+            per_token = [hidden.new_empty(rows, dtype=torch.bool if name == "is_top1" else torch.float32)
+                         if name == "log_probs" or name in outputs else None for name in _OUTPUTS]
+            ctx.mark_non_differentiable(*(t for t in per_token[2:] if t is not None))  # as TRL marks them
+            return tuple(per_token)
+        with _torch_path(module):
+            return forward(*args)
 
-    forward_or_shapes.graphopt_wraps = forward
-    return forward_or_shapes
+    @functools.wraps(backward)
+    def backward_when_traced(ctx, *grads):
+        if torch._guards.detect_fake_mode() is None:
+            return backward(ctx, *grads)
+        with _torch_path(module):
+            return backward(ctx, *grads)
+
+    forward_when_traced.graphopt_wraps = forward
+    return staticmethod(forward_when_traced), staticmethod(backward_when_traced)
 
 
 def expose_trl_head():
@@ -95,19 +116,21 @@ def expose_trl_head():
     not shown, else None."""
     if importlib.util.find_spec("trl") is None:
         return None
-    version = _trl_version()
-    if ".".join(version.split(".")[:2]) not in VERIFIED_TRL:
-        return (f"TRL {version}'s head is not shown to Dynamo (graphopt::linear_logprobs was checked against TRL "
-                f"{', '.join(VERIFIED_TRL)} only): Dynamo breaks the graph at it and TRL's code runs between "
-                "graphopt's graphs")
     try:
         module = importlib.import_module(TRL_MODULE)
     except ImportError as error:
         return f"{TRL_MODULE} does not import ({error})"
-    function = getattr(module, TRL_FUNCTION)
+    function, version = getattr(module, TRL_FUNCTION), _trl_version()
+    if ".".join(version.split(".")[:2]) not in VERIFIED_TRL:
+        # Dynamo breaks the graph at the head; left to compile TRL's own frames, Inductor fails on TRL 1.15's
+        # kernel (fp64 scalars in an fp32 loop variable): they run as TRL wrote them
+        if not hasattr(function.forward, "_torchdynamo_disable"):
+            function.forward = staticmethod(torch._dynamo.disable(function.forward))
+            function.backward = staticmethod(torch._dynamo.disable(function.backward))
+        return (f"TRL {version}'s head is not shown to Dynamo (graphopt::linear_logprobs was checked against TRL "
+                f"{', '.join(VERIFIED_TRL)} only): it runs uncompiled, as TRL's code, between graphopt's graphs")
     if not hasattr(function.forward, "graphopt_wraps"):
-        function.forward = staticmethod(_shapes_when_propagated(function.forward))
-        module._use_triton = _use_triton_unless_traced(module._use_triton)
+        function.forward, function.backward = _traceable(function, module)
     torch._dynamo.allow_in_graph(function)
     return None
 
@@ -211,6 +234,6 @@ def fuse_trl_logprob(gm: GraphModule, report) -> int:
 def _miss_unexposed_head(gm: GraphModule, report) -> None:
     """An old TRL's head is never in a graph; a graph that TRL's patched forward contributed to says why."""
     for node in gm.graph.nodes:
-        if "trl/trainer/utils.py" in (node.meta.get("stack_trace") or ""):
+        if source_location(node).startswith("trl/trainer/utils.py"):  # traced in TRL's forward, not the backbone
             report.misses.append(record_for(node, PATTERN, NOT_EXPOSED))
             return
