@@ -318,19 +318,20 @@ def test_compiled_lora_dropout_draws_eagers_stream_and_keeps_its_mask(budget, mo
         assert relative_error(grads[name], eager_grads[name]) <= 1e-5, name
 
 
-def test_compiled_lora_dropout_statistics():
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_compiled_lora_dropout_statistics(device):
     """Under Inductor's own random stream: a fraction p of the adapters' input dropped, the rest scaled by
     1/(1 − p), a new mask every step. Read off the gradient of lora_B, which is Σ (dropped x · Aᵀ)ᵀ·dY: with A
     the identity and dY ones, each row of dB sums one channel of x as the adapters saw it."""
     p, rows, width = 0.25, 4096, 8
     layer = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(width, 4)),
-                                peft.LoraConfig(r=width, target_modules=["0"], lora_dropout=p))
+                                peft.LoraConfig(r=width, target_modules=["0"], lora_dropout=p)).to(device)
     lora_a = layer.base_model.model[0].lora_A["default"].weight
     with torch.no_grad():
         lora_a.copy_(torch.eye(width))
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend="graphopt")
-    x = torch.ones(rows, width)
+    x = torch.ones(rows, width, device=device)
     seen = []
     for _ in range(2):
         layer.zero_grad()
@@ -338,6 +339,7 @@ def test_compiled_lora_dropout_statistics():
         lora_b = layer.base_model.model[0].lora_B["default"].weight
         seen.append(lora_b.grad[0] / layer.base_model.model[0].scaling["default"])  # Σ over rows of dropped x
     assert graphopt.last_report().summary() == {"lora": 1}
+    assert "dropout mask" in graphopt.last_report().lowering[0].implementation or device == "cpu"
     kept = seen[0] * (1 - p) / rows  # the fraction kept per channel
     assert torch.allclose(kept, torch.full_like(kept, 1 - p), atol=0.03)
     assert not torch.equal(seen[0], seen[1])  # drawn again each step
