@@ -232,7 +232,7 @@ def fuse_trl_logprob(gm: GraphModule, report) -> int:
 
 
 def _miss_unexposed_head(gm: GraphModule, report) -> None:
-    """An old TRL's head is never in a graph; a graph that TRL's patched forward contributed to says why."""
+    """Another TRL release's head is never in a graph: a graph that TRL's patched forward contributed to says why."""
     for node in gm.graph.nodes:
         if source_location(node).startswith("trl/trainer/utils.py"):  # traced in TRL's forward, not the backbone
             report.misses.append(record_for(node, PATTERN, NOT_EXPOSED))
