@@ -487,7 +487,9 @@ def _copy_out_of_graph_pool_fake(xs):
 # casts to the fp32 parameters as eager's do. The other ops need no rule: RMSNorm upcasts to fp32 itself, and the
 # gated activation and RoPE contain no op that autocast changes (a rotation that eager promotes to fp32 is cast up
 # by passes/fuse_rope.py). The dtype is read at each call, so bf16 and fp16 autocast both hold, on every device type
-# that has autocast.
+# that has autocast. linear_logprobs needs none either: it takes the dtype TRL's head computes in as an argument
+# (compute_dtype, the autocast dtype of the call's region, passes/fuse_trl_logprob.py), so its gradients accumulate
+# in fp32 and return in the inputs' own dtypes, as TRL's do, instead of rounding through a cast.
 AUTOCAST_CASTS = {  # op → the positions of the inputs autocast casts
     "lora_linear": (0, 1, 2, 3, 4),  # x, weight, bias, lora_a, lora_b
     "linear_cross_entropy": (0, 1, 2),  # hidden, weight, bias
