@@ -26,24 +26,18 @@ from graphopt.passes.normalize import normalize
 from graphopt.report import Report
 from graphs import capture, count_calls, relative_error
 from models import tiny_lora_model
-from test_linear_ce import LargestTensor
+from test_linear_ce import IGNORE, LargestTensor
+from test_linear_ce import problem as lm_head_problem
 from texts import VOCAB, sentences
 
 OP = torch.ops.graphopt.linear_logprobs.default
 BACKWARD = torch.ops.graphopt.linear_logprobs_backward.default
 OPTIONAL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-IGNORE = -100
 
 
 def problem(rows, width, vocab, dtype, seed, bias=False, ignored=0.0, scale=1.0):
-    """hidden, weight, bias, labels (IGNORE where a position has no label)."""
-    g = torch.Generator().manual_seed(seed)
-    hidden = (torch.randn(rows, width, generator=g) * scale).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, width, generator=g) / width**0.5).to(dtype).requires_grad_()
-    b = torch.randn(vocab, generator=g).to(dtype) if bias else None
-    labels = torch.randint(0, vocab, (rows,), generator=g)
-    labels[torch.rand(rows, generator=g) < ignored] = IGNORE
-    return hidden, weight, b, labels
+    """hidden, weight, bias, labels (IGNORE where a position has no label): the fused loss's test problem."""
+    return lm_head_problem(rows, width, vocab, dtype, ignored, seed, bias, scale)
 
 
 def fp64_logits(hidden, weight, bias, temperature, softcap, logit_scale):
