@@ -46,14 +46,14 @@ LORA_IN_ONE_DTYPE = ("cuBLAS matmuls of kernels/reference.py, all in {dtype} (ad
                      "by autocast; the Triton kernels take fp32 adapters)")
 
 
-def lora_variant(x_dtype, weight_dtype, adapter_dtype, dropout: bool):
+def lora_variant(x, weight, bias, lora_a, lora_b, dropout_mask=None):
     """The report's text for a LoRA layer whose inputs have these dtypes (after autocast), when it is not the
     kernels' (None when it is)."""
-    if dropout:
+    if dropout_mask is not None:
         return LORA_DROPOUT
-    if lora.supported_dtypes(x_dtype, weight_dtype, adapter_dtype):
+    if lora.supported_dtypes(x, weight, lora_a):
         return None
-    return LORA_IN_ONE_DTYPE.format(dtype=str(adapter_dtype).removeprefix("torch."))
+    return LORA_IN_ONE_DTYPE.format(dtype=str(lora_a).removeprefix("torch."))
 
 
 # In compiled graphs these are decomposed below autograd: Inductor then fuses them with their neighbours (the

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphopt.lowering import ascend, cpu, ops
-from graphopt.passes.match import autocast_regions, value
+from graphopt.passes.match import autocast_dtype, autocast_regions, value
 from graphopt.report import LoweringRecord
 
 try:  # Triton is a Linux dependency; elsewhere the CUDA lowering is simply absent.
@@ -42,11 +42,9 @@ def lowering_for(target: str) -> Lowering:
         note = "" if target == "cuda" else ("Triton kernels with AMD launch settings per family, CDNA or RDNA "
                                             "(kernels/layout.py), compiled for gfx942, gfx90a and gfx1100 in CI; "
                                             "not yet measured on AMD GPUs")
-        lora_variant = (lambda x, weight, bias, lora_a, lora_b, mask=None: cuda.lora_variant(x, weight, lora_a,
-                                                                                           mask is not None))
         return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda",
-                        variants={torch.ops.graphopt.lora_linear.default: lora_variant})
+                        variants={torch.ops.graphopt.lora_linear.default: cuda.lora_variant})
     if target == "cpu":
         return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
                         implementations=dict(cpu.IMPLEMENTATIONS), offload_copies=False)
@@ -93,7 +91,7 @@ def _running_dtypes(node, autocast: dict) -> list:
     for i, arg in enumerate(node.args):
         v = value(arg)
         if isinstance(v, torch.Tensor):
-            cast = autocast.get(v.device.type) if i in casts and v.dtype != torch.float64 else None
+            cast = autocast_dtype(autocast, v.device.type) if i in casts and v.dtype != torch.float64 else None
             dtypes.append(cast or v.dtype)
         elif arg is None:
             dtypes.append(None)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from graphopt.passes.match import FUSABLE_DTYPES, autocast_regions, is_call, is_cast, is_scalar, is_tensor, value
+from graphopt.passes.match import (FUSABLE_DTYPES, autocast_dtype, autocast_regions, is_call, is_cast, is_scalar,
+                                   is_tensor, value)
 from graphopt.report import record_for
 
 PATTERN = "linear_cross_entropy"
@@ -98,7 +99,7 @@ def _match(ce: Node, autocast_regions: dict):
     hidden, weight, bias = (list(lm_head.args) + [lm_head.kwargs.get("bias")] * 3)[:3]
     h, w, rows = value(hidden), value(weight), value(scores).shape[0]
     # under autocast both are cast to its dtype, by autocast's linear in eager and by the op's autocast rule here
-    cast = autocast_regions[lm_head].get(h.device.type)
+    cast = autocast_dtype(autocast_regions[lm_head], h.device.type)
     if h.dtype not in FUSABLE_DTYPES or w.dtype not in FUSABLE_DTYPES or (h.dtype != w.dtype and cast is None):
         raise Miss(f"lm_head input {h.dtype} and weight {w.dtype} are not one float32/bfloat16/float16 dtype")
     if not statically_known_true(math.prod(h.shape[:-1]) == rows) or value(node).shape[-1] != value(scores).shape[1]:

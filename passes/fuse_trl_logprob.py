@@ -44,7 +44,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from graphopt.passes.fuse_linear_ce import LOGITS_CHUNK_BYTES
-from graphopt.passes.match import FUSABLE_DTYPES, autocast_regions, is_scalar, value
+from graphopt.passes.match import FUSABLE_DTYPES, autocast_dtype, autocast_regions, is_scalar, value
 from graphopt.report import record_for, source_location
 
 PATTERN = "trl_logprobs"
@@ -192,7 +192,8 @@ def _match(fn_cls, node: Node, regions: dict) -> dict:
         if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)
                 and 0 <= user.args[1] < len(_OUTPUTS) and asked[user.args[1]]):
             raise Miss("the head's outputs are read otherwise than by the index of a computed output")
-    compute_dtype = regions[node].get(hidden.device.type, hidden.dtype)  # TRL reads autocast's dtype, else hidden's
+    # TRL computes in autocast's dtype, else in hidden's
+    compute_dtype = autocast_dtype(regions[node], hidden.device.type) or hidden.dtype
     return dict(args=args, asked=asked, softcap=float(softcap or 0.0), compute_dtype=compute_dtype,
                 vocab=weight.shape[0])
 

@@ -41,30 +41,30 @@ def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     return len(a.shape) == len(b.shape) and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
-# Device types whose autocast state a graph may run under (torch.amp.is_autocast_available filters).
-AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
-
-
 def autocast_regions(graph) -> dict:
-    """Node → {device type: dtype} of the torch.autocast regions it runs in: the state torch.compile was called
-    under (Dynamo guards on it, so it holds whenever the graph runs), then the regions the graph enters and exits
-    itself (`with torch.autocast(...)` traced inside the model, e.g. accelerate's wrapped forward)."""
-    state = {d: torch.get_autocast_dtype(d) for d in AUTOCAST_DEVICES
-             if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d)}
-    stack, regions = [], {}
+    """Node → {device type: dtype, or None where autocast is off} for the torch.autocast regions the graph enters
+    and exits itself (`with torch.autocast(...)` traced inside the model, e.g. accelerate's wrapped forward);
+    autocast_dtype adds the state torch.compile was called under."""
+    state, stack, regions = {}, [], {}
     for node in graph.nodes:
         if is_call(node, torch.amp.autocast_mode._enter_autocast):
             device, dtype, enabled = (list(node.args) + [None] * 3)[:3]
             stack.append(state)
-            state = dict(state)
-            if enabled:
-                state[device] = dtype or torch.get_autocast_dtype(device)
-            else:
-                state.pop(device, None)
+            state = {**state, device: (dtype or torch.get_autocast_dtype(device)) if enabled else None}
         elif is_call(node, torch.amp.autocast_mode._exit_autocast) and stack:
             state = stack.pop()
         regions[node] = state
     return regions
+
+
+def autocast_dtype(region: dict, device_type: str):
+    """The autocast dtype for tensors of device_type in a region of autocast_regions (None: autocast off). Outside
+    the graph's own regions, the state torch.compile was called under: Dynamo guards on it, so it holds whenever
+    the graph runs."""
+    if device_type in region:
+        return region[device_type]
+    enabled = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return torch.get_autocast_dtype(device_type) if enabled else None
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
