@@ -5,9 +5,17 @@
 
 Variants: eager (plain PyTorch), inductor (torch.compile), graphopt (torch.compile with backend="graphopt"),
 liger (Liger-Kernel's Llama patches, eager), unsloth (FastLanguageModel). Every variant trains the same
-randomly initialized Llama (same seed, same batch) with PEFT LoRA r=16 on the 7 projections and AdamW over the
+randomly initialized Llama (same seed, same batches) with PEFT LoRA r=16 on the 7 projections and AdamW over the
 trainable parameters. A step is forward with labels -> backward -> optimizer.step -> zero_grad.
 benchmarks/run_train_step.sh runs all of them, each in its own process, and prints the table.
+
+--data picks the batches:
+  fixed   one batch of --batch × --seq random tokens, every step (the kernels' best case)
+  padded  SFT: --batch documents a step, their lengths drawn from SFT_LENGTHS, right-padded to the longest of
+          the step (HF's DataCollatorWithPadding), pads masked in attention_mask and labels
+  packed  SFT: the same documents, padding-free as HF's DataCollatorWithFlattening packs them: one row, per-
+          document position_ids, the first label of each document -100
+tokens/s counts the documents' tokens only (what a padded step spends on pads is lost time).
 """
 
 import os
@@ -57,6 +65,11 @@ LORA_ALPHA = 16
 LEARNING_RATE = 1e-4
 MODEL_SEED = 0
 DATA_SEED = 1234
+
+# The SFT length distribution (--data padded/packed): log-normal, median 512 tokens, sigma 1.0 (the 90th
+# percentile near 1,840), clipped to 64–4,096 tokens (1.9% of documents at the 4,096 clip). Long-tailed as
+# instruction and chat data sets are: most documents short, a few at the model's context limit.
+SFT_LENGTHS = dict(median=512, sigma=1.0, shortest=64, longest=4096)
 
 # Llama-3.2-1B's shape (tied embeddings), Llama-3-8B's (untied), and a tiny one for a CPU smoke test.
 SHAPES = {
@@ -133,7 +146,7 @@ def prepare_unsloth(args, config, dtype, device):
 
     model, _tokenizer = FastLanguageModel.from_pretrained(
         model_name=model_dir,
-        max_seq_length=args.seq,
+        max_seq_length=args.seq if args.data == "fixed" else SFT_LENGTHS["longest"],
         dtype=dtype,
         load_in_4bit=False,
         use_exact_model_name=True,  # a local directory: no name remapping to Hub repos
@@ -184,11 +197,49 @@ def prepare(args, device, dtype):
     return model, model, None
 
 
-def train_step(forward, optimizer, input_ids, autocast=None):
+def document_lengths(count, generator):
+    """count lengths drawn from SFT_LENGTHS."""
+    lengths = torch.empty(count, dtype=torch.float64).log_normal_(math.log(SFT_LENGTHS["median"]),
+                                                                  SFT_LENGTHS["sigma"], generator=generator)
+    return lengths.round().clamp(SFT_LENGTHS["shortest"], SFT_LENGTHS["longest"]).long().tolist()
+
+
+def make_batches(data, batch, seq, count, vocab_size, device):
+    """count batches (dicts of the model's keyword inputs) and the documents' tokens in each; the same for every
+    variant. Labels are the inputs (the model shifts them), -100 where nothing is to be predicted."""
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    if data == "fixed":
+        input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator).to(device)
+        return [dict(input_ids=input_ids, labels=input_ids)] * count, [batch * seq] * count
+
+    batches, tokens = [], []
+    for _ in range(count):
+        lengths = document_lengths(batch, generator)
+        documents = [torch.randint(0, vocab_size, (n,), generator=generator) for n in lengths]
+        if data == "padded":
+            longest = max(lengths)
+            input_ids = torch.zeros(batch, longest, dtype=torch.long)
+            attention_mask = torch.zeros(batch, longest, dtype=torch.long)
+            for row, document in enumerate(documents):
+                input_ids[row, :len(document)] = document
+                attention_mask[row, :len(document)] = 1
+            labels = input_ids.masked_fill(attention_mask == 0, -100)
+            step = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        else:
+            input_ids = torch.cat(documents)[None]
+            position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+            labels = input_ids.masked_fill(position_ids == 0, -100)
+            step = dict(input_ids=input_ids, position_ids=position_ids, labels=labels)
+        batches.append({name: t.to(device) for name, t in step.items()})
+        tokens.append(sum(lengths))
+    return batches, tokens
+
+
+def train_step(forward, optimizer, batch, autocast=None):
     """One step; with autocast (a dtype) the forward runs under torch.autocast, as HF's bf16=True / fp16=True."""
     torch.compiler.cudagraph_mark_step_begin()  # a new step: CUDA graph trees may reuse the last step's outputs
-    with torch.autocast(input_ids.device.type, autocast or torch.bfloat16, enabled=autocast is not None):
-        loss = forward(input_ids=input_ids, labels=input_ids).loss
+    with torch.autocast(batch["input_ids"].device.type, autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = forward(**batch).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -213,14 +264,14 @@ KERNEL_KINDS = (
 )
 
 
-def profile_steps(forward, optimizer, input_ids, device, path, steps=2, autocast=None):
+def profile_steps(forward, optimizer, batch, device, path, steps=2, autocast=None):
     """Profile a few more steps: print device time per kind of kernel and the top kernels; chrome trace to path."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            train_step(forward, optimizer, input_ids, autocast)
+            train_step(forward, optimizer, batch, autocast)
         synchronize(device)
     prof.export_chrome_trace(path)
     kernels = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if device.type == "cuda" else "CPU")]
@@ -315,7 +366,7 @@ def allocations_at_peak(events, start):
     return peak, at_peak
 
 
-def print_memory_at_peak(forward, optimizer, input_ids, device, top=30, autocast=None):
+def print_memory_at_peak(forward, optimizer, batch, device, top=30, autocast=None):
     """One more step under the CUDA allocator's history: replay its allocations and frees, and print what was
     allocated at the step's peak, largest first, each with the source line that allocated it (for Inductor's
     generated code, the line of its wrapper, which names the buffer)."""
@@ -323,7 +374,7 @@ def print_memory_at_peak(forward, optimizer, input_ids, device, top=30, autocast
 
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     start = torch.cuda.memory_allocated(device)
-    train_step(forward, optimizer, input_ids, autocast)
+    train_step(forward, optimizer, batch, autocast)
     synchronize(device)
     events = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -365,37 +416,46 @@ def run(args):
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LEARNING_RATE)
 
-    # One fixed random batch, the same for every variant; labels = input_ids (the model shifts them).
     vocab_size = model.get_input_embeddings().weight.shape[0]
-    generator = torch.Generator().manual_seed(DATA_SEED)
-    input_ids = torch.randint(0, vocab_size, (args.batch, args.seq), generator=generator).to(device)
+    batches, tokens = make_batches(args.data, args.batch, args.seq, args.warmup + args.steps, vocab_size, device)
+    if args.data != "fixed" and args.variant in ("inductor", "graphopt"):
+        # Lengths vary from step to step: Dynamo compiles the first batch for its sizes, the second again with the
+        # sequence dimension symbolic, and that graph serves every later step. Marked here, one compile reaches
+        # the same graph and the second is not paid in device time.
+        for batch in batches:
+            for tensor in batch.values():
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
 
     # Warm-up: compilation, autotuning and the optimizer's state allocation happen here, outside the timing.
     first_loss = None
     warmup_peaks = []  # allocated, per warm-up step
-    for _ in range(args.warmup):
+    start = time.perf_counter()
+    for batch in batches[:args.warmup]:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        loss = train_step(forward, optimizer, input_ids, autocast)
+        loss = train_step(forward, optimizer, batch, autocast)
         if first_loss is None:
             first_loss = loss.item()
         if device.type == "cuda":
             synchronize(device)
             warmup_peaks.append(torch.cuda.max_memory_allocated(device))
+    synchronize(device)
+    warmup_s = time.perf_counter() - start
     if args.variant == "graphopt":
         import graphopt
 
         print(f"graphopt compiled {len(graphopt.reports())} graph(s); the last one's report:", file=sys.stderr)
         print(graphopt.last_report().to_text(), file=sys.stderr)
 
-    synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    for _ in range(args.steps):
-        loss = train_step(forward, optimizer, input_ids, autocast)
+    for batch in batches[args.warmup:]:
+        loss = train_step(forward, optimizer, batch, autocast)
     synchronize(device)
     seconds = time.perf_counter() - start
+    timed_tokens = sum(tokens[args.warmup:])
+    timed_positions = sum(batch["input_ids"].numel() for batch in batches[args.warmup:])
     peak_alloc = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     peak_reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
     # CUDA graph replays allocate nothing the allocator counts as allocated: their memory pool shows as reserved
@@ -415,9 +475,9 @@ def run(args):
             print(next(line for line in graphopt.last_report().to_text().splitlines() if "estimated peak" in line),
                   file=sys.stderr)
     if args.profile:
-        profile_steps(forward, optimizer, input_ids, device, args.profile, autocast=autocast)
+        profile_steps(forward, optimizer, batches[-1], device, args.profile, autocast=autocast)
     if args.memory_at_peak and device.type == "cuda":
-        print_memory_at_peak(forward, optimizer, input_ids, device, autocast=autocast)
+        print_memory_at_peak(forward, optimizer, batches[-1], device, autocast=autocast)
 
     result = {
         "variant": args.variant,
@@ -425,13 +485,18 @@ def run(args):
         "memory_budget": memory_budget,
         "shape": args.shape,
         "batch": args.batch,
-        "seq": args.seq,
+        "seq": args.seq if args.data == "fixed" else None,
+        "data": args.data,
+        # SFT data: the documents' tokens a step, and the share of the step's positions that are padding
+        "tokens_per_step": timed_tokens / args.steps,
+        "pad_fraction": 1 - timed_tokens / timed_positions,
         "dtype": args.dtype,
         "autocast": args.autocast,
         "device": device.type,
         "steps": args.steps,
         "warmup": args.warmup,
-        "tokens_per_s": args.batch * args.seq * args.steps / seconds,
+        "tokens_per_s": timed_tokens / seconds,
+        "warmup_s": warmup_s,
         "step_ms": 1000 * seconds / args.steps,
         "cuda_graphs": graphs,
         # the peak compared across variants: allocated, or reserved under CUDA graphs
@@ -467,10 +532,18 @@ def describe(r):
         (", CUDA graphs: compare reserved" if r["cuda_graphs"] else "") + \
         (f"; allocated while recording them {r['recording_peak_alloc_gib']:.2f} GiB"
          if r.get("recording_peak_alloc_gib") is not None else "")
-    return (f"{r['variant']} {r['options'] or ''}: {r['shape']} batch {r['batch']} seq {r['seq']} {r['dtype']} "
+    return (f"{r['variant']} {r['options'] or ''}: {r['shape']} batch {r['batch']} {_data(r)} {r['dtype']} "
             f"on {r['device_name']}: "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, peak {memory}, "
             f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}{_describe_host(r)}")
+
+
+def _data(r):
+    """What a step trains on (results before --data existed are of the fixed batch)."""
+    if r.get("data", "fixed") == "fixed":
+        return f"seq {r['seq']}"
+    return (f"{r['data']} SFT documents ({r['tokens_per_step']:,.0f} tokens a step, "
+            f"{100 * r['pad_fraction']:.0f}% padding)")
 
 
 def _describe_host(r):
@@ -506,14 +579,15 @@ def print_table(path):
     groups = {}
     for r in rows:
         if not r.get("failed"):
-            key = (r["shape"], r["batch"], r["seq"], r["dtype"], r["device_name"])
+            key = (r["shape"], r["batch"], r.get("data", "fixed"), r["seq"], r["dtype"], r["device_name"])
             groups.setdefault(key, []).append(r)
 
-    for (shape, batch, seq, dtype, device), group in groups.items():
+    for (shape, batch, _, _, dtype, device), group in groups.items():
         base = next((r for r in group if r["variant"] == "inductor"), None)
-        print(f"\n{shape}, batch {batch}, seq {seq}, {dtype}, {device}, {group[0]['date'][:10]}\n")
-        print("| variant | tokens/s | step ms | peak GiB | ×inductor tokens/s | ×inductor memory | loss |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(f"\n{shape}, batch {batch}, {_data(group[0])}, {dtype}, {device}, {group[0]['date'][:10]}\n")
+        print("| variant | tokens/s | step ms | peak GiB | ×inductor tokens/s | ×inductor memory | loss "
+              "| warm-up s |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in group:
             label = r["variant"] + (f" {r['options']}" if r.get("options") not in (None, "{}") else "")
             label += " (CUDA graphs: peak reserved)" if r.get("cuda_graphs") else ""
@@ -521,7 +595,7 @@ def print_table(path):
                   f"| {_number(_peak(r), 2)} "
                   f"| {_ratio(r['tokens_per_s'], base and base['tokens_per_s'])} "
                   f"| {_ratio(_peak(r), base and _peak(base))} "
-                  f"| {_number(r['loss'], 4)} |")
+                  f"| {_number(r['loss'], 4)} | {_number(r.get('warmup_s'), 0)} |")
 
     failed = [r for r in rows if r.get("failed")]
     if failed:
@@ -538,6 +612,9 @@ def parse_args(argv):
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before, where compilation happens")
+    parser.add_argument("--data", choices=("fixed", "padded", "packed"), default="fixed",
+                        help="one fixed batch, or SFT documents of varying length padded per step or packed "
+                             "(--seq is then unused: lengths come from SFT_LENGTHS)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST), default="none",
                         help="run the forward under torch.autocast of this dtype (HF's bf16=True: --dtype fp32 "

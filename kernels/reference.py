@@ -283,3 +283,60 @@ def linear_logprobs_backward(grad_log_probs, grad_entropy, hidden, weight, bias,
             d_weight += dy.t() @ h.to(stats)
     return (d_hidden if grad_hidden else hidden.new_empty(0),
             d_weight.to(weight.dtype) if grad_weight else weight.new_empty(0))
+
+
+# Attention over a padded batch (HF's causal mask with a 2-D attention_mask, rows padded left, right or anywhere):
+# query i of row b attends key j when j ≤ i and keep[b, j]; a padding query (keep[b, i] False) attends nothing and
+# its output is 0, as HF's flash-attention path gives it (eager SDPA lets it attend the row's tokens: a value no
+# kept position reads). q [B, H, L, D]; k, v [B, Hk, L, D] with query head h reading key/value head h // (H / Hk)
+# (GQA). Outputs are laid out [B, L, H, D] in memory (the view [B, H, L, D]), as HF transposes them next.
+# lse [H, B·L] fp32 carries the forward's softmax normalizers to its backward, in the implementation's own token
+# order; this reference recomputes them there.
+
+def _heads_major(x):
+    """x [B, H, L, D] stored [B, L, H, D]: the layout every padded_attention implementation returns."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _padded_scores(q, k, keep, scale):
+    """(scaled scores with -inf where not attended, the rows' log-sum-exp with 0 at padding queries), fp32 math."""
+    dtype = _compute_dtype(q)
+    groups = q.shape[1] // k.shape[1]
+    scores = torch.matmul(q.to(dtype), k.to(dtype).repeat_interleave(groups, dim=1).transpose(-1, -2)) * scale
+    length = q.shape[2]
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    attended = causal & keep[:, None, None, :] & keep[:, None, :, None]
+    scores = scores.masked_fill(~attended, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~keep[:, None, :], 0.0)
+    return scores, lse
+
+
+def padded_attention(q, k, v, keep, scale):
+    scores, lse = _padded_scores(q, k, keep, scale)
+    probs = torch.exp(scores - lse[..., None])  # 0 where not attended, and in padding queries' rows
+    groups = q.shape[1] // k.shape[1]
+    out = torch.matmul(probs, v.to(probs.dtype).repeat_interleave(groups, dim=1))
+    batch, heads, length = lse.shape
+    return _heads_major(out.to(q.dtype)), lse.transpose(0, 1).reshape(heads, batch * length).float()
+
+
+def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
+    """(dq, dk, dv), laid out as the forward's output; dk and dv summed over the query heads sharing them."""
+    scores, row_lse = _padded_scores(q, k, keep, scale)
+    probs = torch.exp(scores - row_lse[..., None])
+    batch, heads, length, _ = q.shape
+    groups = heads // k.shape[1]
+    dtype = probs.dtype
+    grad = grad_out.to(dtype) * keep[:, None, :, None]
+    k_rep, v_rep = (t.to(dtype).repeat_interleave(groups, dim=1) for t in (k, v))
+    grad_probs = torch.matmul(grad, v_rep.transpose(-1, -2))
+    grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
+    dq = torch.matmul(grad_scores, k_rep) * scale
+    dk = torch.matmul(grad_scores.transpose(-1, -2), q.to(dtype)) * scale
+    dv = torch.matmul(probs.transpose(-1, -2), grad)
+
+    def per_kv_head(x):
+        return x.view(batch, k.shape[1], groups, length, x.shape[-1]).sum(2)
+
+    return (_heads_major(dq.to(q.dtype)), _heads_major(per_kv_head(dk).to(k.dtype)),
+            _heads_major(per_kv_head(dv).to(v.dtype)))

@@ -430,6 +430,74 @@ def _linear_logprobs_grad(ctx, grad_log_probs, grad_entropy, *_):
 linear_logprobs.register_autograd(_linear_logprobs_grad, setup_context=_linear_logprobs_setup_context)
 
 
+# --- padded_attention ---------------------------------------------------------------------------------------
+
+@torch.library.custom_op("graphopt::padded_attention", mutates_args=())
+def padded_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse): causal attention of each row's kept tokens (keep [B, L] bool), 0 at padding queries; GQA when k
+    and v have fewer heads. The definition and layouts: kernels/reference.py."""
+    check_padded_attention(q, k, v, keep)
+    return reference.padded_attention(q, k, v, keep, scale)
+
+
+def _attention_layout(x):
+    """An empty tensor of x's shape, laid out as padded_attention's outputs: [B, H, L, D] stored [B, L, H, D]."""
+    batch, heads, length, dim = x.shape
+    return x.new_empty((batch, length, heads, dim)).transpose(1, 2)
+
+
+@padded_attention.register_fake
+def _padded_attention_fake(q, k, v, keep, scale):
+    check_padded_attention(q, k, v, keep)
+    batch, heads, length, _ = q.shape
+    return _attention_layout(q), q.new_empty((heads, batch * length), dtype=torch.float32)
+
+
+@torch.library.custom_op("graphopt::padded_attention_backward", mutates_args=())
+def padded_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, keep: Tensor, out: Tensor,
+                              lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) from the forward's out and lse."""
+    check_padded_attention(q, k, v, keep)
+    return reference.padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale)
+
+
+@padded_attention_backward.register_fake
+def _padded_attention_backward_fake(grad_out, q, k, v, keep, out, lse, scale):
+    check_padded_attention(q, k, v, keep)
+    return _attention_layout(q), _attention_layout(k), _attention_layout(v)
+
+
+def check_padded_attention(q, k, v, keep):
+    """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
+    torch._check(q.dim() == 4 and k.dim() == 4 and k.shape == v.shape,
+                 lambda: f"padded_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be "
+                         f"[batch, heads, length, head_dim], k and v of one shape")
+    torch._check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2] and k.shape[3] == q.shape[3]
+                 and q.shape[1] % k.shape[1] == 0,
+                 lambda: f"padded_attention: k and v {tuple(k.shape)} must match q {tuple(q.shape)} but in heads, "
+                         f"a divisor of q's")
+    torch._check(keep.dtype == torch.bool and keep.dim() == 2 and keep.shape[0] == q.shape[0]
+                 and keep.shape[1] == q.shape[2],
+                 lambda: f"padded_attention: keep {tuple(keep.shape)} {keep.dtype} must be bool [batch, length]")
+
+
+def _padded_attention_setup_context(ctx, inputs, output):
+    q, k, v, keep, scale = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, keep, out, lse)
+    ctx.scale = scale
+
+
+def _padded_attention_grad(ctx, grad_out, _grad_lse):
+    q, k, v, keep, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.graphopt.padded_attention_backward(grad_out, q, k, v, keep, out, lse, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+padded_attention.register_autograd(_padded_attention_grad, setup_context=_padded_attention_setup_context)
+
+
 # --- offload / reload: saved activations to host memory and back (inserted by passes/offload.py) -----------
 
 # Captured in CUDA graphs with the rest of the step: no host tensor crosses the graph's boundary (a token stands
@@ -484,7 +552,8 @@ def _copy_out_of_graph_pool_fake(xs):
 # fp32 base under bf16 autocast would meet a bf16 input and an fp32 weight. Eager runs PEFT's linears (base and
 # adapters: x.to(adapter dtype) is cast back down by autocast's linear) and HF's lm_head in the autocast dtype, so
 # these ops take those inputs cast to it, as autocast's own linear would, and the gradients flow back through the
-# casts to the fp32 parameters as eager's do. The other ops need no rule: RMSNorm upcasts to fp32 itself, and the
+# casts to the fp32 parameters as eager's do. padded_attention stands for an SDPA call, which autocast runs in its
+# dtype: q, k and v are cast too. The other ops need no rule: RMSNorm upcasts to fp32 itself, and the
 # gated activation and RoPE contain no op that autocast changes (a rotation that eager promotes to fp32 is cast up
 # by passes/fuse_rope.py). The dtype is read at each call, so bf16 and fp16 autocast both hold, on every device type
 # that has autocast. linear_logprobs needs none either: it takes the dtype TRL's head computes in as an argument
@@ -493,6 +562,7 @@ def _copy_out_of_graph_pool_fake(xs):
 AUTOCAST_CASTS = {  # op → the positions of the inputs autocast casts
     "lora_linear": (0, 1, 2, 3, 4),  # x, weight, bias, lora_a, lora_b
     "linear_cross_entropy": (0, 1, 2),  # hidden, weight, bias
+    "padded_attention": (0, 1, 2),  # q, k, v: autocast runs SDPA in its dtype
 }
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "privateuseone")  # privateuseone: Ascend's npu
 
@@ -532,5 +602,6 @@ BACKWARD_OF = {
     torch.ops.graphopt.lora_linear.default: torch.ops.graphopt.lora_linear_backward.default,
     torch.ops.graphopt.linear_cross_entropy.default: torch.ops.graphopt.linear_cross_entropy_backward.default,
     torch.ops.graphopt.linear_logprobs.default: torch.ops.graphopt.linear_logprobs_backward.default,
+    torch.ops.graphopt.padded_attention.default: torch.ops.graphopt.padded_attention_backward.default,
 }
 ALL_OPS = [op for pair in BACKWARD_OF.items() for op in pair]

@@ -44,7 +44,8 @@ def lowering_for(target: str) -> Lowering:
                                             "not yet measured on AMD GPUs")
         return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda",
-                        variants={torch.ops.graphopt.lora_linear.default: cuda.lora_variant})
+                        variants={torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
+                                  torch.ops.graphopt.padded_attention.default: cuda.padded_attention_variant})
     if target == "cpu":
         return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
                         implementations=dict(cpu.IMPLEMENTATIONS), offload_copies=False)

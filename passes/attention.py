@@ -16,13 +16,30 @@ kernel computes the masked half and reads the mask) and saved 32-head copies of 
   attention_gqa     key and value as HF's repeat_kv makes them: x[:, :, None].expand(b, h, n, s, d).reshape(b,
                     h * n, s, d)                                            →  x itself, enable_gqa=True
                     (SDPA's GQA maps query head i to kv head i // n, the same head repeat_kv copies there.)
+
+and one more where the mask is causal over a padded batch:
+
+  attention_padded  attn_mask = causal & attention_mask[b, kv] (HF's padded batches: its 2-D attention_mask, a
+                    graph input)                       →  graphopt::padded_attention(q, k, v, keep), k and v
+                    unrepeated; on NVIDIA GPUs the flash kernels then skip the padding instead of computing it
+                    under a mask (the mask makes SDPA take its slow kernels, and repeat k and v). The op's output
+                    is 0 at padding queries, as HF's flash-attention path makes it: eager's value there is read
+                    by no kept position, so the loss over kept tokens and every gradient are eager's.
+
+Masks are read symbolically first (_read_mask): HF builds them from index aranges broadcast over [batch, head,
+q, kv] and conjunctions of conditions on them, and a mask read as exactly "kv ≤ q" (and "attention_mask[b, kv]")
+is that at every size, symbolic ones included. A mask that reading does not cover falls back to the evaluation
+below, at static sizes only.
 """
 
+import math
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
 from torch.fx.experimental.symbolic_shapes import free_symbols, statically_known_true
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -117,6 +134,135 @@ def _check_causal(args: dict) -> None:
         raise Miss("the mask is not the causal lower triangle (padding, a sliding window or a prefix)")
 
 
+# --- the mask read symbolically -----------------------------------------------------------------------------
+
+_BATCH, _HEAD, _QUERY, _KEY = range(4)  # the axes of an SDPA mask
+_CAUSAL, _KEEP = "kv ≤ q", "attention_mask[b, kv]"  # the conditions a mask may be the conjunction of
+
+
+@dataclass(frozen=True)
+class _Index:
+    """arange(size) + offset, along `axis` of the mask once indexed into place (None before)."""
+    size: object
+    offset: object = 0
+    axis: object = None
+
+
+@dataclass(frozen=True)
+class _Padding:
+    """The 2-D attention_mask graph input; `keep` is its bool form, once converted."""
+    input: Node
+    keep: object = None
+
+
+@dataclass(frozen=True)
+class _Condition:
+    """The conjunction of these conditions, broadcast over the mask's axes."""
+    terms: frozenset
+
+
+def _placed(index, axis):
+    return isinstance(index, _Index) and index.axis == axis and index.offset == 0
+
+
+def _read_node(node: Node, read: dict):
+    """What node computes, in the terms above; Miss when it is anything else."""
+    args, kwargs = map_arg((node.args, node.kwargs), lambda a: read.get(a, value(a)))
+    target = node.target
+    if node.op == "placeholder":
+        v = value(node)
+        if isinstance(v, torch.Tensor):
+            if v.dim() != 2 or v.is_floating_point():
+                raise Miss(f"the mask reads graph input {node.name}, not a 2-D attention_mask")
+            return _Padding(node, keep=node if v.dtype == torch.bool else None)
+        return v  # a size
+    if node.op == "call_method" and target in ("to", "bool"):
+        dtype = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
+        if target == "bool":
+            dtype = torch.bool
+        if isinstance(args[0], _Padding) and dtype == torch.bool:
+            return _Padding(args[0].input, keep=node)
+        if dtype is None or (dtype == torch.bool and isinstance(args[0], _Condition)):
+            return args[0]  # a move between devices
+    elif node.op == "call_method" and target == "expand":
+        return args[0]  # sizes checked against the attention's at the end
+    elif node.op == "call_method" and target == "new_ones" and kwargs.get("dtype") == torch.bool \
+            and tuple(args[1]) == ():
+        return _Condition(frozenset())
+    elif is_call(node, torch.arange) and len(args) == 1 and not {"start", "step", "end"} & kwargs.keys():
+        return _Index(args[0])
+    elif is_call(node, operator.add, torch.add) and isinstance(args[0], _Index) and args[0].axis is None \
+            and isinstance(args[1], int):
+        return _Index(args[0].size, args[0].offset + args[1])
+    elif is_call(node, operator.getitem) and isinstance(args[0], _Index) and isinstance(args[1], tuple) \
+            and len(args[1]) == 4 and args[1].count(None) == 3 and args[1].count(slice(None)) == 1:
+        return _Index(args[0].size, args[0].offset, args[1].index(slice(None)))
+    elif is_call(node, operator.getitem) and isinstance(args[0], _Padding) and args[0].keep is not None:
+        index = args[1]
+        if isinstance(index, tuple) and len(index) == 2 and _placed(index[0], _BATCH) and _placed(index[1], _KEY):
+            return _Condition(frozenset([_KEEP]))  # HF: attention_mask[batch_idx, kv_idx]
+        if index == (slice(None), None, None, slice(None)):
+            return _Condition(frozenset([_KEEP]))
+    elif is_call(node, operator.le, operator.ge, torch.le, torch.ge):
+        smaller, larger = args[:2] if target in (operator.le, torch.le) else args[1::-1]
+        if _placed(smaller, _KEY) and _placed(larger, _QUERY):
+            return _Condition(frozenset([_CAUSAL]))
+    elif is_call(node, operator.and_, torch.logical_and, torch.bitwise_and) \
+            and all(isinstance(a, _Condition) for a in args[:2]):
+        return _Condition(args[0].terms | args[1].terms)
+    elif is_call(node, torch.ones_like) and isinstance(args[0], _Condition):
+        return _Condition(frozenset())
+    raise Miss(f"the mask is built with {node.op} {getattr(target, '__name__', target)}, which graphopt does not "
+               f"read")
+
+
+def _read_mask(args: dict):
+    """(the conditions the mask is the conjunction of, the bool attention_mask node it reads or None), at every
+    size; Miss when the mask is not made of the nodes _read_node reads or its sizes are not the attention's."""
+    mask = args["attn_mask"]
+    read = {}
+    for node in _ancestors(mask):
+        read[node] = _read_node(node, read)
+    condition = read[mask]
+    if not isinstance(condition, _Condition):
+        raise Miss("the mask is not a condition on positions")
+    indices = [v for v in read.values() if isinstance(v, _Index)]
+    query, key = value(args["query"]), value(args["key"])
+    sizes = {_BATCH: query.shape[0], _QUERY: query.shape[-2], _KEY: key.shape[-2]}
+    for index in indices:
+        if index.axis is not None and not statically_known_true(index.size == sizes.get(index.axis, -1)):
+            raise Miss(f"an index of the mask spans {index.size} positions, not its axis' {sizes.get(index.axis)}")
+    shape = value(mask).shape
+    if len(shape) != 4 or not all(statically_known_true(shape[a] == sizes[a]) or statically_known_true(shape[a] == 1)
+                                  for a in sizes):
+        raise Miss(f"the mask's shape {tuple(shape)} is not the attention's")
+    if not statically_known_true(sizes[_QUERY] == sizes[_KEY]):
+        raise Miss("queries and keys differ in length (a KV cache): causal from position 0 does not hold")
+    paddings = {v.keep for v in read.values() if isinstance(v, _Padding) and v.keep is not None}
+    return condition.terms, next(iter(paddings)) if len(paddings) == 1 else None
+
+
+def _mask_kind(args: dict):
+    """("causal", None) or ("padded", the bool attention_mask) where the mask is proven so; Miss otherwise."""
+    if args.get("is_causal", False):
+        raise Miss("both a mask and is_causal are given")
+    if not isinstance(args["attn_mask"], Node):
+        raise Miss("the mask is a constant, not a node")
+    try:
+        terms, keep = _read_mask(args)
+    except Miss as unread:
+        if free_symbols(value(args["attn_mask"])) or free_symbols(value(args["query"])):
+            raise Miss(f"{unread}; with symbolic sizes (dynamic shapes) evaluating it proves nothing") from None
+        _check_causal(args)  # the mask as it evaluates at these sizes
+        return "causal", None
+    if terms == {_CAUSAL}:
+        return "causal", None
+    if terms == {_CAUSAL, _KEEP} and keep is not None:
+        return "padded", keep
+    raise Miss("the mask is not the causal lower triangle (padding, a sliding window or a prefix)"
+               if _CAUSAL not in terms else "the mask adds a condition to causal other than attention_mask")
+
+
 def _repeated(node: Node):
     """(x, n) when node is HF's repeat_kv(x, n) of x [b, h, s, d]: x[:, :, None].expand(b, h, n, s, d).reshape(b,
     h * n, s, d); None otherwise."""
@@ -181,7 +327,7 @@ def _erase_unused(nodes) -> None:
 def rewrite_attention(gm: GraphModule, report) -> int:
     """Rewrite each SDPA call's mask and repeated k/v as above; record each rewrite and each miss."""
     rewritten = 0
-    proofs = {}  # (mask, lengths) → None when proven causal, else why not (one mask serves every layer)
+    kinds = {}  # (mask, lengths) → (kind, keep) or the reason it is neither (one mask serves every layer)
     for sdpa in [n for n in gm.graph.nodes if is_call(n, F.scaled_dot_product_attention)]:
         args = sdpa_arguments(sdpa)
         if not all(isinstance(args.get(k), Node) for k in ("query", "key", "value")):
@@ -190,15 +336,26 @@ def rewrite_attention(gm: GraphModule, report) -> int:
         mask = args.get("attn_mask")
         if mask is not None:
             key = (mask, str(value(args["query"]).shape[-2]), str(value(args["key"]).shape[-2]))
-            if key not in proofs:
-                proofs[key] = _causal_proof(args)
-            if proofs[key] is None:
+            if key not in kinds:
+                try:
+                    kinds[key] = _mask_kind(args)
+                except Miss as miss:
+                    kinds[key] = str(miss)
+            if kinds[key] == ("causal", None):
                 dropped.append(mask)
                 args["attn_mask"], args["is_causal"] = None, True
                 report.fusions.append(record_for(sdpa, "attention_causal"))
                 rewritten += 1
+            elif isinstance(kinds[key], tuple):
+                try:
+                    _padded_attention(sdpa, args, kinds[key][1])
+                    report.fusions.append(record_for(sdpa, "attention_padded"))
+                    rewritten += 1
+                    continue
+                except Miss as miss:
+                    report.misses.append(record_for(sdpa, "attention_padded", str(miss)))
             else:
-                report.misses.append(record_for(sdpa, "attention_causal", proofs[key]))
+                report.misses.append(record_for(sdpa, "attention_causal", kinds[key]))
         try:
             unrepeated = _gqa(args)
             if unrepeated is not None:
@@ -215,3 +372,35 @@ def rewrite_attention(gm: GraphModule, report) -> int:
             _erase_unused(dropped)
     gm.recompile()
     return rewritten
+
+
+def _padded_attention(sdpa: Node, args: dict, keep: Node) -> None:
+    """Replace sdpa, whose mask is causal & keep, by graphopt::padded_attention of unrepeated k and v."""
+    query, key, val = args["query"], args["key"], args["value"]
+    if value(args.get("dropout_p", 0.0)) != 0:
+        raise Miss("attention dropout: the fused op has none")
+    if args.get("enable_gqa", False):
+        raise Miss("enable_gqa is set on a masked call")
+    q = value(query)
+    if q.dim() != 4 or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise Miss(f"query {q.dtype} of {q.dim()} dimensions: the op takes [batch, heads, length, dim] floats")
+    repeated = _repeated(key), _repeated(val)
+    if (repeated[0] is None) != (repeated[1] is None):
+        raise Miss("only one of key and value is repeated to the query heads")
+    if repeated[0] is not None:
+        key, val = repeated[0][0], repeated[1][0]
+    scale = args.get("scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    graph = sdpa.graph
+    with graph.inserting_before(sdpa):
+        fused = graph.call_function(torch.ops.graphopt.padded_attention.default, (query, key, val, keep, scale))
+        out = graph.call_function(operator.getitem, (fused, 0))
+    outputs = torch.ops.graphopt.padded_attention.default(value(query), value(key), value(val), value(keep),
+                                                          value(scale))
+    fused.meta = dict(sdpa.meta, example_value=outputs)
+    out.meta = dict(sdpa.meta, example_value=outputs[0])
+    sdpa.replace_all_uses_with(out)
+    old = [args.get("attn_mask"), args["key"], args["value"]]
+    graph.erase_node(sdpa)
+    _erase_unused(old)

@@ -1,0 +1,136 @@
+"""graphopt::padded_attention and the attention_padded rewrite (passes/attention.py): causal attention over a padded
+batch (HF's 2-D attention_mask), checked against an fp64 computation of SDPA with HF's mask at the kept queries,
+0 at padding queries; opcheck; the rewrite on HF models at static and symbolic lengths, loss and gradients equal
+to eager. On CUDA the op runs the flash variable-length kernels (kernels/padded_attention.py), in bf16 and fp16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+import graphopt
+from graphopt.kernels import reference
+from graphs import relative_error
+from models import ARCHITECTURES, tiny_lora_model
+from texts import VOCAB, pad_batch, sentences
+
+OP = torch.ops.graphopt.padded_attention.default
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def keep_mask(lengths, length, left=False, holes=False, seed=0):
+    """[B, L] bool: each row's first (or, left-padded, last) `lengths[b]` positions kept; with holes, random ones."""
+    keep = torch.zeros(len(lengths), length, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        if holes:
+            g = torch.Generator().manual_seed(seed + row)
+            keep[row, torch.randperm(length, generator=g)[:n]] = True
+        elif left:
+            keep[row, length - n:] = True
+        else:
+            keep[row, :n] = True
+    return keep
+
+
+def exact(q, k, v, keep, scale):
+    """fp64 SDPA with HF's mask (causal & attention_mask[b, kv]), 0 at padding queries."""
+    groups = q.shape[1] // k.shape[1]
+    mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril() & keep[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(groups, 1),
+                                         v.double().repeat_interleave(groups, 1), attn_mask=mask, scale=scale)
+    return (out * keep[:, None, :, None]).nan_to_num()
+
+
+def inputs(batch, heads, kv_heads, length, dim, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, h, length, dim, generator=g).to(device, dtype).requires_grad_()
+            for h in (heads, kv_heads, kv_heads)]
+
+
+def check(q, k, v, keep, scale, tolerance):
+    out, _ = OP(q, k, v, keep, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.transpose(1, 2).is_contiguous()  # laid out [B, L, H, D], as the fake says
+    assert torch.all(out.transpose(1, 2)[~keep] == 0)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = exact(q64, k64, v64, keep, scale)
+    expected_grads = torch.autograd.grad(expected, (q64, k64, v64), grad.double())
+    assert relative_error(out, expected) <= tolerance
+    for got, want in zip(grads, expected_grads):
+        assert relative_error(got, want) <= tolerance
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(batch=st.integers(1, 3), kv_heads=st.integers(1, 2), groups=st.sampled_from([1, 2, 4]),
+       length=st.integers(1, 40), dim=st.sampled_from([8, 16, 64]), layout=st.sampled_from(["right", "left", "holes"]),
+       data=st.data())
+def test_matches_fp64(device, batch, kv_heads, groups, length, dim, layout, data):
+    lengths = data.draw(st.lists(st.integers(0, length), min_size=batch, max_size=batch))
+    keep = keep_mask(lengths, length, left=layout == "left", holes=layout == "holes").to(device)
+    dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if device == "cuda" else [])
+    for dtype in dtypes:
+        q, k, v = inputs(batch, kv_heads * groups, kv_heads, length, dim, dtype, device, seed=length)
+        check(q, k, v, keep, dim ** -0.5, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_opcheck():
+    q, k, v = inputs(2, 4, 2, 9, 8, torch.float32, "cpu")
+    keep = keep_mask([9, 5], 9)
+    torch.library.opcheck(OP, (q, k, v, keep, 0.25))
+    out, lse = OP(q, k, v, keep, 0.25)
+    grad = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.graphopt.padded_attention_backward.default,
+                          (grad, q.detach(), k.detach(), v.detach(), keep, out.detach(), lse, 0.25))
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="the flash kernels run on CUDA")
+def test_cuda_runs_the_flash_kernels():
+    """bf16 on CUDA takes the variable-length flash kernels (no [L × L] scores), fp32 the reference."""
+    from graphopt.kernels import padded_attention
+
+    q, k, v = inputs(2, 8, 2, 256, 64, torch.bfloat16, "cuda")
+    assert padded_attention.supported(q, k, v)
+    assert not padded_attention.supported(q.float(), k.float(), v.float())
+    keep = keep_mask([256, 100], 256).cuda()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    OP(q, k, v, keep, 0.125)
+    scores = 2 * 8 * 256 * 256 * 4
+    assert torch.cuda.max_memory_allocated() - before < scores
+
+
+def loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    params = getattr(model, "_orig_mod", model).named_parameters()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in params if p.requires_grad}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_hf_padded_batches_fuse_and_train_the_same(arch, fresh_dynamo):
+    """HF's padded batches at a static then a symbolic length: every attention layer fused (but under a sliding
+    window, which stays with a miss), loss and gradients equal to eager (labels -100 at the padding, as HF's
+    collators make them)."""
+    model = tiny_lora_model(arch, vocab_size=VOCAB)
+    data = sentences()
+    batches = [pad_batch(rows) for rows in (data[0:4], data[8:12])]
+    before = len(graphopt.reports())
+    compiled = torch.compile(model, backend="graphopt")
+    for batch in batches:
+        loss, grads = loss_and_grads(compiled, batch)
+        eager_loss, eager_grads = loss_and_grads(model, batch)
+        assert relative_error(loss, eager_loss) <= 1e-5
+        assert all(relative_error(grads[n], eager_grads[n]) <= 1e-5 for n in grads)
+    reports = graphopt.reports()[before:]
+    assert len(reports) == 2  # the static graph, then the symbolic one
+    layers = model.config.num_hidden_layers
+    for report in reports:
+        if getattr(model.config, "sliding_window", None):  # Mistral's: the mask adds kv > q - window
+            assert "attention_padded" not in report.summary()
+            assert [m for m in report.misses if m.pattern == "attention_causal"]
+            continue
+        assert report.summary().get("attention_padded") == layers
+        assert not [m for m in report.misses if m.pattern.startswith("attention")]
