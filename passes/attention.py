@@ -150,9 +150,11 @@ class _Index:
 
 @dataclass(frozen=True)
 class _Padding:
-    """The 2-D attention_mask graph input; `keep` is its bool form, once converted."""
+    """The 2-D attention_mask graph input: as bool (its nonzero entries) once converted, and whether it is indexed
+    as [b, kv] of the mask yet."""
     input: Node
-    keep: object = None
+    as_bool: bool = False
+    placed: bool = False
 
 
 @dataclass(frozen=True)
@@ -172,16 +174,15 @@ def _read_node(node: Node, read: dict):
     if node.op == "placeholder":
         v = value(node)
         if isinstance(v, torch.Tensor):
-            if v.dim() != 2 or v.is_floating_point():
+            if v.dim() != 2:
                 raise Miss(f"the mask reads graph input {node.name}, not a 2-D attention_mask")
-            return _Padding(node, keep=node if v.dtype == torch.bool else None)
+            return _Padding(node, as_bool=v.dtype == torch.bool)
         return v  # a size
     if node.op == "call_method" and target in ("to", "bool"):
-        dtype = kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
-        if target == "bool":
-            dtype = torch.bool
+        dtype = torch.bool if target == "bool" else \
+            kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
         if isinstance(args[0], _Padding) and dtype == torch.bool:
-            return _Padding(args[0].input, keep=node)
+            return _Condition(frozenset([_KEEP])) if args[0].placed else _Padding(args[0].input, as_bool=True)
         if dtype is None or (dtype == torch.bool and isinstance(args[0], _Condition)):
             return args[0]  # a move between devices
     elif node.op == "call_method" and target == "expand":
@@ -197,12 +198,12 @@ def _read_node(node: Node, read: dict):
     elif is_call(node, operator.getitem) and isinstance(args[0], _Index) and isinstance(args[1], tuple) \
             and len(args[1]) == 4 and args[1].count(None) == 3 and args[1].count(slice(None)) == 1:
         return _Index(args[0].size, args[0].offset, args[1].index(slice(None)))
-    elif is_call(node, operator.getitem) and isinstance(args[0], _Padding) and args[0].keep is not None:
-        index = args[1]
-        if isinstance(index, tuple) and len(index) == 2 and _placed(index[0], _BATCH) and _placed(index[1], _KEY):
-            return _Condition(frozenset([_KEEP]))  # HF: attention_mask[batch_idx, kv_idx]
-        if index == (slice(None), None, None, slice(None)):
-            return _Condition(frozenset([_KEEP]))
+    elif is_call(node, operator.getitem) and isinstance(args[0], _Padding) and not args[0].placed:
+        index, padding = args[1], args[0]
+        batch_key = isinstance(index, tuple) and len(index) == 2 and _placed(index[0], _BATCH) \
+            and _placed(index[1], _KEY)  # HF: attention_mask[batch_idx, kv_idx]
+        if batch_key or index == (slice(None), None, None, slice(None)):
+            return _Condition(frozenset([_KEEP])) if padding.as_bool else _Padding(padding.input, placed=True)
     elif is_call(node, operator.le, operator.ge, torch.le, torch.ge):
         smaller, larger = args[:2] if target in (operator.le, torch.le) else args[1::-1]
         if _placed(smaller, _KEY) and _placed(larger, _QUERY):
@@ -217,7 +218,7 @@ def _read_node(node: Node, read: dict):
 
 
 def _read_mask(args: dict):
-    """(the conditions the mask is the conjunction of, the bool attention_mask node it reads or None), at every
+    """(the conditions the mask is the conjunction of, the attention_mask graph input it reads or None), at every
     size; Miss when the mask is not made of the nodes _read_node reads or its sizes are not the attention's."""
     mask = args["attn_mask"]
     read = {}
@@ -238,12 +239,12 @@ def _read_mask(args: dict):
         raise Miss(f"the mask's shape {tuple(shape)} is not the attention's")
     if not statically_known_true(sizes[_QUERY] == sizes[_KEY]):
         raise Miss("queries and keys differ in length (a KV cache): causal from position 0 does not hold")
-    paddings = {v.keep for v in read.values() if isinstance(v, _Padding) and v.keep is not None}
+    paddings = {v.input for v in read.values() if isinstance(v, _Padding)}
     return condition.terms, next(iter(paddings)) if len(paddings) == 1 else None
 
 
 def _mask_kind(args: dict):
-    """("causal", None) or ("padded", the bool attention_mask) where the mask is proven so; Miss otherwise."""
+    """("causal", None) or ("padded", the attention_mask input) where the mask is proven so; Miss otherwise."""
     if args.get("is_causal", False):
         raise Miss("both a mask and is_causal are given")
     if not isinstance(args["attn_mask"], Node):
@@ -327,7 +328,8 @@ def _erase_unused(nodes) -> None:
 def rewrite_attention(gm: GraphModule, report) -> int:
     """Rewrite each SDPA call's mask and repeated k/v as above; record each rewrite and each miss."""
     rewritten = 0
-    kinds = {}  # (mask, lengths) → (kind, keep) or the reason it is neither (one mask serves every layer)
+    kinds = {}  # (mask, lengths) → (kind, attention_mask) or why it is neither (one mask serves every layer)
+    keeps = {}  # (attention_mask, device) → its bool form, shared by the layers
     for sdpa in [n for n in gm.graph.nodes if is_call(n, F.scaled_dot_product_attention)]:
         args = sdpa_arguments(sdpa)
         if not all(isinstance(args.get(k), Node) for k in ("query", "key", "value")):
@@ -348,7 +350,7 @@ def rewrite_attention(gm: GraphModule, report) -> int:
                 rewritten += 1
             elif isinstance(kinds[key], tuple):
                 try:
-                    _padded_attention(sdpa, args, kinds[key][1])
+                    _padded_attention(sdpa, args, kinds[key][1], keeps)
                     report.fusions.append(record_for(sdpa, "attention_padded"))
                     rewritten += 1
                     continue
@@ -374,8 +376,9 @@ def rewrite_attention(gm: GraphModule, report) -> int:
     return rewritten
 
 
-def _padded_attention(sdpa: Node, args: dict, keep: Node) -> None:
-    """Replace sdpa, whose mask is causal & keep, by graphopt::padded_attention of unrepeated k and v."""
+def _padded_attention(sdpa: Node, args: dict, attention_mask: Node, keeps: dict) -> None:
+    """Replace sdpa, whose mask is causal & (attention_mask != 0), by graphopt::padded_attention of unrepeated k
+    and v."""
     query, key, val = args["query"], args["key"], args["value"]
     if value(args.get("dropout_p", 0.0)) != 0:
         raise Miss("attention dropout: the fused op has none")
@@ -393,6 +396,7 @@ def _padded_attention(sdpa: Node, args: dict, keep: Node) -> None:
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     graph = sdpa.graph
+    keep = _keep(attention_mask, value(query).device, keeps)
     with graph.inserting_before(sdpa):
         fused = graph.call_function(torch.ops.graphopt.padded_attention.default, (query, key, val, keep, scale))
         out = graph.call_function(operator.getitem, (fused, 0))
@@ -404,3 +408,18 @@ def _padded_attention(sdpa: Node, args: dict, keep: Node) -> None:
     old = [args.get("attn_mask"), args["key"], args["value"]]
     graph.erase_node(sdpa)
     _erase_unused(old)
+
+
+def _keep(attention_mask: Node, device, keeps: dict) -> Node:
+    """attention_mask != 0 as a bool tensor on the attention's device, computed once after the input: every layer
+    reads the same node."""
+    if (attention_mask, str(device)) not in keeps:
+        graph, mask = attention_mask.graph, value(attention_mask)
+        with graph.inserting_after(attention_mask):
+            nonzero = graph.call_function(torch.ne, (attention_mask, 0))
+        with graph.inserting_after(nonzero):
+            keep = graph.call_method("to", (nonzero,), {"device": device})
+        nonzero.meta = dict(attention_mask.meta, example_value=torch.empty_like(mask, dtype=torch.bool))
+        keep.meta = dict(attention_mask.meta, example_value=torch.empty_like(mask, dtype=torch.bool, device=device))
+        keeps[(attention_mask, str(device))] = keep
+    return keeps[(attention_mask, str(device))]

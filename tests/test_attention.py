@@ -102,6 +102,21 @@ def padded_attention(q, k, v, pad):
     return SDPA(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=causal_pad_mask(q, k, pad))
 
 
+def padding_only(q, k, v, pad):  # an encoder's mask: every kept key, before and after
+    return SDPA(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=pad[:, None, None, :].bool())
+
+
+def test_causal_padding_mask_becomes_padded_attention():
+    args = qkv(2, 8, 2, 16, 8, torch.float32)
+    pad = torch.ones(2, 16)
+    pad[1, 11:] = 0
+    gm, inputs, expected, report, rewritten = run_pass(rewrite_attention, padded_attention, *args, pad)
+    assert [r.pattern for r in report.fusions] == ["attention_padded"] and not report.misses
+    assert not sdpa_nodes(gm)
+    kept = pad.bool()[:, None, :, None]
+    assert relative_error(first_output(gm, inputs) * kept, expected * kept) <= 1e-6
+
+
 def upper_triangle(q, k):
     return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu()
 
@@ -114,7 +129,7 @@ def only_k_repeated(q, k, v):
     (hf_attention(sliding_window), (), {"attention_causal": "not the causal lower triangle",
                                         "attention_gqa": "a mask is given"}),
     (hf_attention(upper_triangle), (), {"attention_causal": "not the causal lower triangle"}),
-    (padded_attention, (torch.ones(2, 16),), {"attention_causal": "reads graph input"}),
+    (padding_only, (torch.ones(2, 16),), {"attention_causal": "not the causal lower triangle"}),
     (only_k_repeated, (), {"attention_gqa": "only one of key and value"}),
 ])
 def test_unprovable_attention_stays_with_a_reason(fn, extra, reasons):
@@ -128,7 +143,8 @@ def test_unprovable_attention_stays_with_a_reason(fn, extra, reasons):
     assert torch.equal(first_output(gm, inputs), expected)
 
 
-def test_symbolic_sequence_length_keeps_the_mask():
+def test_symbolic_sequence_length_causal_mask_read_symbolically():
+    """HF's causal mask at a symbolic length is read as "kv ≤ q" for every length: is_causal, as at static ones."""
     from graphopt.passes.normalize import normalize
     from graphopt.report import Report
 
@@ -136,10 +152,44 @@ def test_symbolic_sequence_length_keeps_the_mask():
     fn = hf_attention(causal_bool)
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=True)
+    args = qkv(2, 8, 2, 16, 8, torch.float32)
+    expected = compiled(*args)
+    normalize(graphs[0])
+    report = Report(graph=0)
+    assert rewrite_attention(graphs[0], report) == 2
+    assert [r.pattern for r in report.fusions] == ["attention_causal", "attention_gqa"] and not report.misses
+    placeholders = [v for v in (n.meta.get("example_value") for n in graphs[0].graph.find_nodes(op="placeholder"))]
+    assert any(isinstance(v, torch.SymInt) for v in placeholders)
+    assert relative_error(graphs[0](*[a for a in _graph_inputs(graphs[0], args)])[0], expected) <= 1e-6
+
+
+def _graph_inputs(gm, tensors):
+    """The graph's inputs at these tensors: its symbolic sizes as the tensors' sizes, then the tensors."""
+    tensors, sizes = list(tensors), {}
+    values = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+    for v, t in zip([v for v in values if isinstance(v, torch.Tensor)], tensors):
+        for s, n in zip(v.shape, t.shape):
+            sizes[str(s)] = n
+    out = []
+    for v in values:
+        out.append(sizes[str(v)] if isinstance(v, torch.SymInt) else tensors.pop(0))
+    return out
+
+
+def test_sliding_window_at_a_symbolic_length_stays():
+    """A mask the symbolic reading does not cover (a sliding window) cannot be evaluated at symbolic sizes: it
+    stays, with the reason."""
+    from graphopt.passes.normalize import normalize
+    from graphopt.report import Report
+
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(hf_attention(sliding_window), backend=lambda gm, ex: graphs.append(gm) or gm.forward,
+                             dynamic=True)
     compiled(*qkv(2, 8, 2, 16, 8, torch.float32))
     normalize(graphs[0])
     report = Report(graph=0)
-    assert rewrite_attention(graphs[0], report) == 0
+    rewrite_attention(graphs[0], report)
     assert "symbolic" in {r.pattern: r.reason for r in report.misses}["attention_causal"]
 
 
