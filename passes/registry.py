@@ -9,7 +9,7 @@ from graphopt.passes.fuse_swiglu import fuse_swiglu
 from graphopt.passes.fuse_trl_logprob import fuse_trl_logprob
 
 FUSIONS = {
-    "attention": rewrite_attention,  # SDPA: a provably causal mask → is_causal, repeat_kv → enable_gqa
+    "attention": rewrite_attention,  # SDPA: causal mask → is_causal, with padding → one op; repeat_kv → enable_gqa
     "rms_norm": fuse_rmsnorm,
     "rope": fuse_rope,  # q and k of one attention layer
     "swiglu": fuse_swiglu,  # SwiGLU and GeGLU
