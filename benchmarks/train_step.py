@@ -204,9 +204,10 @@ def document_lengths(count, generator):
     return lengths.round().clamp(SFT_LENGTHS["shortest"], SFT_LENGTHS["longest"]).long().tolist()
 
 
-def make_batches(data, batch, seq, count, vocab_size, device):
+def make_batches(data, batch, seq, count, vocab_size, device, multiple=1):
     """count batches (dicts of the model's keyword inputs) and the documents' tokens in each; the same for every
-    variant. Labels are the inputs (the model shifts them), -100 where nothing is to be predicted."""
+    variant. Labels are the inputs (the model shifts them), -100 where nothing is to be predicted. Padded batches
+    are padded to a multiple of `multiple` (the collators' pad_to_multiple_of: length buckets)."""
     generator = torch.Generator().manual_seed(DATA_SEED)
     if data == "fixed":
         input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator).to(device)
@@ -217,7 +218,7 @@ def make_batches(data, batch, seq, count, vocab_size, device):
         lengths = document_lengths(batch, generator)
         documents = [torch.randint(0, vocab_size, (n,), generator=generator) for n in lengths]
         if data == "padded":
-            longest = max(lengths)
+            longest = -(-max(lengths) // multiple) * multiple
             input_ids = torch.zeros(batch, longest, dtype=torch.long)
             attention_mask = torch.zeros(batch, longest, dtype=torch.long)
             for row, document in enumerate(documents):
@@ -417,7 +418,8 @@ def run(args):
     optimizer = torch.optim.AdamW(trainable, lr=LEARNING_RATE)
 
     vocab_size = model.get_input_embeddings().weight.shape[0]
-    batches, tokens = make_batches(args.data, args.batch, args.seq, args.warmup + args.steps, vocab_size, device)
+    batches, tokens = make_batches(args.data, args.batch, args.seq, args.warmup + args.steps, vocab_size, device,
+                                   args.pad_to_multiple_of)
     if args.data != "fixed" and args.variant in ("inductor", "graphopt"):
         # Lengths vary from step to step: Dynamo compiles the first batch for its sizes, the second again with the
         # sequence dimension symbolic, and that graph serves every later step. Marked here, one compile reaches
@@ -487,6 +489,7 @@ def run(args):
         "batch": args.batch,
         "seq": args.seq if args.data == "fixed" else None,
         "data": args.data,
+        "pad_to_multiple_of": args.pad_to_multiple_of,
         # SFT data: the documents' tokens a step, and the share of the step's positions that are padding
         "tokens_per_step": timed_tokens / args.steps,
         "pad_fraction": 1 - timed_tokens / timed_positions,
@@ -542,8 +545,9 @@ def _data(r):
     """What a step trains on (results before --data existed are of the fixed batch)."""
     if r.get("data", "fixed") == "fixed":
         return f"seq {r['seq']}"
+    buckets = f", padded to multiples of {r['pad_to_multiple_of']}" if r.get("pad_to_multiple_of", 1) > 1 else ""
     return (f"{r['data']} SFT documents ({r['tokens_per_step']:,.0f} tokens a step, "
-            f"{100 * r['pad_fraction']:.0f}% padding)")
+            f"{100 * r['pad_fraction']:.0f}% padding{buckets})")
 
 
 def _describe_host(r):
@@ -579,10 +583,11 @@ def print_table(path):
     groups = {}
     for r in rows:
         if not r.get("failed"):
-            key = (r["shape"], r["batch"], r.get("data", "fixed"), r["seq"], r["dtype"], r["device_name"])
+            key = (r["shape"], r["batch"], r.get("data", "fixed"), r.get("pad_to_multiple_of", 1), r["seq"], r["dtype"],
+                   r["device_name"])
             groups.setdefault(key, []).append(r)
 
-    for (shape, batch, _, _, dtype, device), group in groups.items():
+    for (shape, batch, _, _, _, dtype, device), group in groups.items():
         base = next((r for r in group if r["variant"] == "inductor"), None)
         print(f"\n{shape}, batch {batch}, {_data(group[0])}, {dtype}, {device}, {group[0]['date'][:10]}\n")
         print("| variant | tokens/s | step ms | peak GiB | ×inductor tokens/s | ×inductor memory | loss "
@@ -615,6 +620,10 @@ def parse_args(argv):
     parser.add_argument("--data", choices=("fixed", "padded", "packed"), default="fixed",
                         help="one fixed batch, or SFT documents of varying length padded per step or packed "
                              "(--seq is then unused: lengths come from SFT_LENGTHS)")
+    parser.add_argument("--pad-to-multiple-of", type=int, default=1, metavar="N",
+                        help="--data padded: pad each batch to a multiple of N (length buckets, as the collators' "
+                             "pad_to_multiple_of), so a graph recorded per size (cuda_graphs=True) is recorded once "
+                             "per bucket")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST), default="none",
                         help="run the forward under torch.autocast of this dtype (HF's bf16=True: --dtype fp32 "
@@ -632,6 +641,8 @@ def parse_args(argv):
         parser.error("--variant is required (or --table PATH)")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1")
+    if args.pad_to_multiple_of < 1 or (args.pad_to_multiple_of > 1 and args.data != "padded"):
+        parser.error("--pad-to-multiple-of takes a positive N, and pads --data padded batches only")
     return args
 
 

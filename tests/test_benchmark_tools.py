@@ -1,9 +1,11 @@
 """The analyses behind benchmarks/train_step.py's --profile (per-stream timeline) and --memory-at-peak (the
-allocator's history replayed): the figures in benchmarks/RESULTS.md come from them."""
+allocator's history replayed), and the SFT batches of --data: the figures in benchmarks/RESULTS.md come from them."""
 
 import json
 import pathlib
 import sys
+
+import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -98,3 +100,23 @@ def test_host_time_lists_the_cpu_events_by_self_time(capsys):
     assert lines[0].startswith("  host: ") and "ms/step of self time" in lines[0]
     listed = {line.split()[-1]: line for line in lines[1:]}
     assert "×1" in listed["aten::mm"] and "×1" in listed["aten::add"]  # counts per step
+
+
+def test_sft_batches_padded_and_packed_hold_the_same_documents():
+    """--data padded and packed: the same documents a step, padding masked in attention_mask and labels, packed
+    positions restarting per document with its first label -100, lengths from the stated distribution."""
+    padded, tokens = train_step.make_batches("padded", 4, None, 3, 1000, "cpu")
+    packed, packed_tokens = train_step.make_batches("packed", 4, None, 3, 1000, "cpu")
+    assert tokens == packed_tokens
+    for p, q, n in zip(padded, packed, tokens):
+        keep = p["attention_mask"].bool()
+        assert int(keep.sum()) == n == q["input_ids"].numel()
+        assert torch.equal(p["input_ids"][keep], q["input_ids"][0])
+        assert torch.all(p["labels"][~keep] == -100) and torch.equal(p["labels"][keep], p["input_ids"][keep])
+        starts = q["position_ids"][0] == 0
+        assert int(starts.sum()) == 4 and torch.all(q["labels"][0][starts] == -100)
+    bucketed, _ = train_step.make_batches("padded", 4, None, 3, 1000, "cpu", multiple=256)
+    assert all(b["input_ids"].shape[1] % 256 == 0 for b in bucketed)
+    lengths = train_step.document_lengths(20000, torch.Generator().manual_seed(0))
+    assert min(lengths) == 64 and max(lengths) == 4096
+    assert 480 <= sorted(lengths)[10000] <= 545  # the median, 512
