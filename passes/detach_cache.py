@@ -25,9 +25,8 @@ _PASS_THROUGH_FUNCTIONS = {torch.reshape, torch.repeat_interleave, torch.unsquee
 def detach_cache(gm: GraphModule, report) -> int:
     """Replace each graph output that is an attention call's key or value by its detached view; return how many."""
     read_as_cache = set()
-    for sdpa in [n for n in gm.graph.nodes if is_call(n, F.scaled_dot_product_attention)]:
-        args = sdpa_arguments(sdpa)
-        stack = [args.get("key"), args.get("value")]
+    for key, val in _keys_and_values(gm):
+        stack = [key, val]
         while stack:
             node = stack.pop()
             if not isinstance(node, torch.fx.Node) or node in read_as_cache:
@@ -49,6 +48,16 @@ def detach_cache(gm: GraphModule, report) -> int:
         report.notes.append(f"KV cache: {len(detached)} key/value outputs returned detached (cache_grad=False): "
                             "past_key_values carries no gradient, and the backward allocates none for it")
     return len(detached)
+
+
+def _keys_and_values(gm):
+    """(key, value) of each attention call: SDPA's, and graphopt::padded_attention's (passes/attention.py)."""
+    for node in gm.graph.nodes:
+        if is_call(node, F.scaled_dot_product_attention):
+            args = sdpa_arguments(node)
+            yield args.get("key"), args.get("value")
+        elif is_call(node, torch.ops.graphopt.padded_attention.default):
+            yield node.args[1], node.args[2]
 
 
 def _passes_through(node) -> bool:

@@ -15,12 +15,13 @@ def cache_tensors(outputs):
     return [t for layer in outputs.past_key_values.layers for t in (layer.keys, layer.values)]
 
 
-def step(model, ids, compile_options=None):
+def step(model, ids, compile_options=None, attention_mask=None):
     """(loss, LoRA gradients, the returned cache tensors) of one forward + backward, compiled when options given."""
     torch._dynamo.reset()
     forward = model if compile_options is None else torch.compile(model, backend="graphopt", options=compile_options)
     model.zero_grad(set_to_none=True)
-    outputs = forward(input_ids=ids, labels=ids, use_cache=True)
+    labels = ids if attention_mask is None else ids.masked_fill(attention_mask == 0, -100)
+    outputs = forward(input_ids=ids, labels=labels, attention_mask=attention_mask, use_cache=True)
     outputs.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return outputs.loss.detach(), grads, cache_tensors(outputs)
@@ -50,6 +51,23 @@ def test_training_returns_the_cache_detached_with_eager_values(arch, attention_p
     assert not any(t.requires_grad for t in cache)
     assert all(relative_error(t, e) <= 1e-5 for t, e in zip(cache, eager_cache))
     assert f"KV cache: {len(cache)} key/value outputs returned detached" in graphopt.last_report().to_text()
+
+
+def test_padded_attention_cache_is_detached_too():
+    """With padding, the attention layers become graphopt::padded_attention: the k and v it reads are the cache's,
+    equal to eager's at the kept positions."""
+    model = tiny_lora_model("llama")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 10:] = 0
+    eager_loss, eager_grads, eager_cache = step(model, ids, attention_mask=mask)
+    loss, grads, cache = step(model, ids, {}, attention_mask=mask)
+    assert graphopt.last_report().summary()["attention_padded"] == model.config.num_hidden_layers
+    assert relative_error(loss, eager_loss) <= 1e-5
+    assert all(relative_error(grads[n], eager_grads[n]) <= 1e-5 for n in eager_grads)
+    assert not any(t.requires_grad for t in cache)
+    kept = mask.bool()[:, None, :, None]  # at padding positions, values the op defines differently (0 outputs)
+    assert all(relative_error(t * kept, e * kept) <= 1e-5 for t, e in zip(cache, eager_cache))
 
 
 def test_cache_grad_keeps_the_cache_differentiable():
