@@ -110,15 +110,6 @@ def _is_causal(mask: torch.Tensor, query_length: int, key_length: int) -> bool:
     return bool(((mask == 0) == attend).all() and (masked == ~attend).all())
 
 
-def _causal_proof(args: dict):
-    """None when the attn_mask can be replaced by is_causal=True, else the reason it cannot."""
-    try:
-        _check_causal(args)
-    except Miss as miss:
-        return str(miss)
-    return None
-
-
 def _check_causal(args: dict) -> None:
     mask = args["attn_mask"]
     if args.get("is_causal", False):
