@@ -75,7 +75,8 @@ def _evaluate(mask: Node) -> torch.Tensor:
     nodes = _ancestors(mask)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if inputs:
-        raise Miss(f"the mask reads graph input {inputs[0].name} (a padding mask?): not provably causal")
+        raise Miss(f"the mask reads graph input {inputs[0].name} in a form graphopt does not read (a packed batch's "
+                   f"per-document mask from position_ids, or padding beside another condition): not provably causal")
     if free_symbols(value(mask)):
         raise Miss("the mask's sizes are symbolic (dynamic shapes): causal at the traced length does not prove "
                    "causal at every length")
