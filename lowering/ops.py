@@ -302,18 +302,24 @@ def _linear_cross_entropy_backward_fake(grad_loss, d_hidden, d_weight):
 LOSS_REDUCTIONS = ("mean", "sum")
 
 
+def check_lm_head(op, hidden, weight, bias, targets):
+    """The contract the fused heads share: hidden [tokens, hidden] rows of the lm_head weight [vocab, hidden], a bias
+    [vocab] or none, one int64 target per row."""
+    torch._check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
+                 lambda: f"{op}: hidden {tuple(hidden.shape)} must be [tokens, hidden] rows of the weight's width "
+                         f"{tuple(weight.shape)}")
+    torch._check(bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
+                 lambda: f"{op}: bias must be [vocab]")
+    torch._check(targets.dim() == 1 and targets.shape[0] == hidden.shape[0] and targets.dtype == torch.long,
+                 lambda: f"{op}: targets {tuple(targets.shape)} {targets.dtype} must be int64, one label per row of "
+                         f"hidden {tuple(hidden.shape)}")
+
+
 def check_linear_cross_entropy(hidden, weight, bias, target, reduction, chunk_rows):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
-    torch._check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
-                 lambda: f"linear_cross_entropy: hidden {tuple(hidden.shape)} must be [tokens, hidden] rows of "
-                         f"the weight's width {tuple(weight.shape)}")
+    check_lm_head("linear_cross_entropy", hidden, weight, bias, target)
     torch._check(hidden.dtype == weight.dtype, lambda: f"linear_cross_entropy: hidden {hidden.dtype} and weight "
                                                        f"{weight.dtype} must have one dtype, as F.linear needs")
-    torch._check(bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
-                 lambda: "linear_cross_entropy: bias must be [vocab]")
-    torch._check(target.dim() == 1 and target.shape[0] == hidden.shape[0] and target.dtype == torch.long,
-                 lambda: f"linear_cross_entropy: target {tuple(target.shape)} {target.dtype} must be int64, one "
-                         f"label per row of hidden {tuple(hidden.shape)}")
     torch._check(reduction in LOSS_REDUCTIONS,
                  lambda: f"linear_cross_entropy: reduction {reduction!r} is not one of {LOSS_REDUCTIONS}")
     torch._check(chunk_rows > 0, lambda: f"linear_cross_entropy: chunk_rows={chunk_rows} must be positive")
@@ -393,14 +399,7 @@ def _linear_logprobs_backward_fake(grad_log_probs, grad_entropy, hidden, weight,
 
 def check_linear_logprobs(hidden, weight, bias, targets, temperature, softcap, compute_dtype, chunk_rows):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
-    torch._check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
-                 lambda: f"linear_logprobs: hidden {tuple(hidden.shape)} must be [tokens, hidden] rows of the "
-                         f"weight's width {tuple(weight.shape)}")
-    torch._check(bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
-                 lambda: "linear_logprobs: bias must be [vocab]")
-    torch._check(targets.dim() == 1 and targets.shape[0] == hidden.shape[0] and targets.dtype == torch.long,
-                 lambda: f"linear_logprobs: targets {tuple(targets.shape)} {targets.dtype} must be int64, one per "
-                         f"row of hidden {tuple(hidden.shape)}")
+    check_lm_head("linear_logprobs", hidden, weight, bias, targets)
     torch._check(compute_dtype.is_floating_point,
                  lambda: f"linear_logprobs: compute_dtype {compute_dtype} is not a float dtype")
     torch._check(temperature > 0 and softcap >= 0,

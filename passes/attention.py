@@ -43,7 +43,7 @@ from torch.fx.node import map_arg
 from torch.fx.experimental.symbolic_shapes import free_symbols, statically_known_true
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from graphopt.passes.match import is_call, is_tensor, sdpa_arguments, value
+from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, sdpa_arguments, value
 from graphopt.report import record_for
 
 _RESHAPES = ("reshape", "view")
@@ -289,20 +289,28 @@ def _repeated(node: Node):
     return source, n
 
 
-def _gqa(args: dict):
+def _unrepeated(args: dict):
     """(key, value) without repeat_kv's copies when both are repeated alike; None when neither is repeated."""
     key, val = _repeated(args["key"]), _repeated(args["value"])
     if key is None and val is None:
         return None
     if key is None or val is None:
         raise Miss("only one of key and value is repeated to the query heads")
+    if not statically_known_true(key[1] == val[1]):
+        raise Miss("key and value are repeated by different factors")
+    return key[0], val[0]
+
+
+def _gqa(args: dict):
+    """(key, value) for SDPA's enable_gqa, when repeat_kv's copies can go; None when neither is repeated."""
+    unrepeated = _unrepeated(args)
+    if unrepeated is None:
+        return None
     if args.get("attn_mask") is not None:
         raise Miss("a mask is given: SDPA's fused GQA kernels take none, so k and v stay repeated")
     if args.get("enable_gqa", False):
         raise Miss("enable_gqa is already set on repeated key and value")
-    if not statically_known_true(key[1] == val[1]):
-        raise Miss("key and value are repeated by different factors")
-    return key[0], val[0]
+    return unrepeated
 
 
 def _erase_unused(nodes) -> None:
@@ -377,13 +385,9 @@ def _padded_attention(sdpa: Node, args: dict, attention_mask: Node, keeps: dict)
     if args.get("enable_gqa", False):
         raise Miss("enable_gqa is set on a masked call")
     q = value(query)
-    if q.dim() != 4 or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if q.dim() != 4 or q.dtype not in FUSABLE_DTYPES:
         raise Miss(f"query {q.dtype} of {q.dim()} dimensions: the op takes [batch, heads, length, dim] floats")
-    repeated = _repeated(key), _repeated(val)
-    if (repeated[0] is None) != (repeated[1] is None):
-        raise Miss("only one of key and value is repeated to the query heads")
-    if repeated[0] is not None:
-        key, val = repeated[0][0], repeated[1][0]
+    key, val = _unrepeated(args) or (key, val)
     scale = args.get("scale")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-import graphopt
-from graphopt.kernels import reference
+import graphopt  # noqa: F401  (registers the graphopt ops)
 from graphs import relative_error
 from models import ARCHITECTURES, tiny_lora_model
+from test_batches import compile_and_compare
 from texts import VOCAB, pad_batch, sentences
 
 OP = torch.ops.graphopt.padded_attention.default
@@ -102,14 +102,6 @@ def test_cuda_runs_the_flash_kernels():
     assert torch.cuda.max_memory_allocated() - before < scores
 
 
-def loss_and_grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch).loss
-    loss.backward()
-    params = getattr(model, "_orig_mod", model).named_parameters()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in params if p.requires_grad}
-
-
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_hf_padded_batches_fuse_and_train_the_same(arch, fresh_dynamo):
     """HF's padded batches at a static then a symbolic length: every attention layer fused (but under a sliding
@@ -117,16 +109,8 @@ def test_hf_padded_batches_fuse_and_train_the_same(arch, fresh_dynamo):
     collators make them)."""
     model = tiny_lora_model(arch, vocab_size=VOCAB)
     data = sentences()
-    batches = [pad_batch(rows) for rows in (data[0:4], data[8:12])]
-    before = len(graphopt.reports())
-    compiled = torch.compile(model, backend="graphopt")
-    for batch in batches:
-        loss, grads = loss_and_grads(compiled, batch)
-        eager_loss, eager_grads = loss_and_grads(model, batch)
-        assert relative_error(loss, eager_loss) <= 1e-5
-        assert all(relative_error(grads[n], eager_grads[n]) <= 1e-5 for n in grads)
-    reports = graphopt.reports()[before:]
-    assert len(reports) == 2  # the static graph, then the symbolic one
+    graphs, reports = compile_and_compare(model, [pad_batch(rows) for rows in (data[0:4], data[8:12])])
+    assert graphs == [1, 2]  # the static graph, then the symbolic one
     layers = model.config.num_hidden_layers
     for report in reports:
         if getattr(model.config, "sliding_window", None):  # Mistral's: the mask adds kv > q - window

@@ -161,7 +161,7 @@ def test_gradients_only_where_asked_and_frozen_bias():
 
 def test_contract_errors_are_clear():
     hidden, weight, _, labels = problem(6, 8, 10, torch.float32, seed=2)
-    with pytest.raises(RuntimeError, match="one per row"):
+    with pytest.raises(RuntimeError, match="one label per row"):
         graphopt_head(hidden, weight, None, labels[:5], 1.0, 0.0, 1.0, ())
     with pytest.raises(RuntimeError, match="temperature=0.0 must be > 0"):
         graphopt_head(hidden, weight, None, labels, 0.0, 0.0, 1.0, ())
