@@ -451,11 +451,14 @@ def run(args):
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    # Graphs Dynamo compiles during the timed steps (a recompile there is paid in the timing)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     start = time.perf_counter()
     for batch in batches[args.warmup:]:
         loss = train_step(forward, optimizer, batch, autocast)
     synchronize(device)
     seconds = time.perf_counter() - start
+    timed_compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
     timed_tokens = sum(tokens[args.warmup:])
     timed_positions = sum(batch["input_ids"].numel() for batch in batches[args.warmup:])
     peak_alloc = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -500,6 +503,7 @@ def run(args):
         "warmup": args.warmup,
         "tokens_per_s": timed_tokens / seconds,
         "warmup_s": warmup_s,
+        "timed_compiles": timed_compiles,
         "step_ms": 1000 * seconds / args.steps,
         "cuda_graphs": graphs,
         # the peak compared across variants: allocated, or reserved under CUDA graphs
@@ -515,6 +519,8 @@ def run(args):
         "device_name": device_name(device),
         "host_link_gib_s": host_link,
         "launch_us": host_launch_us,
+        # the caching allocator's settings (Unsloth sets expandable segments on import)
+        "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
         "torch": torch.__version__,
         "triton": version_of("triton"),
         "transformers": version_of("transformers"),
