@@ -47,7 +47,7 @@ def _unflat(y, order, batch, length):
     return out
 
 
-def _longest(length):
+def longest_for_kernels(length):
     """The longest sequence, as the kernels are told it (it sizes their grid): at 1 the forward takes a decoding path
     that folds GQA's query heads into the sequence and assumes one query per sequence, which the padding's empty
     sequences break; 2 bounds it as well."""
@@ -57,7 +57,7 @@ def _longest(length):
 def padded_attention_forward(q, k, v, keep, scale):
     batch, _, length, _ = q.shape
     order, bounds = _sequences(keep)
-    longest = _longest(length)
+    longest = longest_for_kernels(length)
     out, lse = torch.ops.aten._flash_attention_forward(
         _flat(q, order), _flat(k, order), _flat(v, order), bounds, bounds, longest, longest, 0.0, True, False,
         scale=scale)[:2]
@@ -68,7 +68,7 @@ def padded_attention_forward(q, k, v, keep, scale):
 def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
     batch, _, length, _ = q.shape
     order, bounds = _sequences(keep)
-    longest = _longest(length)
+    longest = longest_for_kernels(length)
     no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state dropout would have used
     grads = torch.ops.aten._flash_attention_backward(
         _flat(grad_out * keep[:, None, :, None], order), _flat(q, order), _flat(k, order), _flat(v, order),

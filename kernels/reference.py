@@ -292,42 +292,66 @@ def linear_logprobs_backward(grad_log_probs, grad_entropy, hidden, weight, bias,
 # (GQA). Outputs are laid out [B, L, H, D] in memory (the view [B, H, L, D]), as HF transposes them next.
 # lse [H, B·L] fp32 carries the forward's softmax normalizers to its backward, in the implementation's own token
 # order; this reference recomputes them there.
+#
+# Attention over a packed batch (padding-free, HF's DataCollatorWithFlattening): each row holds documents one
+# after another, and position_ids [B, L] restart at each: a document starts at a row's first token and wherever
+# a position is not the one before it plus 1. Query i attends key j when j ≤ i in the same document, as HF's mask
+# from position_ids says (masking_utils.find_packed_sequence_indices). Same layouts as the padded batch's.
 
 def _heads_major(x):
     """x [B, H, L, D] stored [B, L, H, D]: the layout every padded_attention implementation returns."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _padded_scores(q, k, keep, scale):
-    """(scaled scores with -inf where not attended, the rows' log-sum-exp with 0 at padding queries), fp32 math."""
+def _padded_attends(keep):
+    """[B, 1, L, L] bool: query i attends key j (causal, both kept)."""
+    length = keep.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=keep.device).tril()
+    return causal & keep[:, None, None, :] & keep[:, None, :, None]
+
+
+def document_starts(position_ids):
+    """[B, L] bool: where a document of a packed row starts (out of place: the CPU lowering traces it into graphs)."""
+    first = torch.ones_like(position_ids[:, :1], dtype=torch.bool)
+    return torch.cat([first, position_ids[:, 1:] != position_ids[:, :-1] + 1], dim=1)
+
+
+def _packed_attends(position_ids):
+    """[B, 1, L, L] bool: query i attends key j (causal, one document)."""
+    documents = document_starts(position_ids).cumsum(-1)
+    length = position_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return causal & (documents[:, None, :, None] == documents[:, None, None, :])
+
+
+def _masked_scores(q, k, attends, scale):
+    """(scaled scores with -inf where not attended, the rows' log-sum-exp with 0 where a query attends nothing),
+    fp32 math."""
     dtype = _compute_dtype(q)
     groups = q.shape[1] // k.shape[1]
     scores = torch.matmul(q.to(dtype), k.to(dtype).repeat_interleave(groups, dim=1).transpose(-1, -2)) * scale
-    length = q.shape[2]
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    attended = causal & keep[:, None, None, :] & keep[:, None, :, None]
-    scores = scores.masked_fill(~attended, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1).masked_fill(~keep[:, None, :], 0.0)
+    scores = scores.masked_fill(~attends, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~attends.any(-1), 0.0)
     return scores, lse
 
 
-def padded_attention(q, k, v, keep, scale):
-    scores, lse = _padded_scores(q, k, keep, scale)
-    probs = torch.exp(scores - lse[..., None])  # 0 where not attended, and in padding queries' rows
+def _masked_attention(q, k, v, attends, scale):
+    scores, lse = _masked_scores(q, k, attends, scale)
+    probs = torch.exp(scores - lse[..., None])  # 0 where not attended, and in the rows of queries attending nothing
     groups = q.shape[1] // k.shape[1]
     out = torch.matmul(probs, v.to(probs.dtype).repeat_interleave(groups, dim=1))
     batch, heads, length = lse.shape
     return _heads_major(out.to(q.dtype)), lse.transpose(0, 1).reshape(heads, batch * length).float()
 
 
-def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
+def _masked_attention_backward(grad_out, q, k, v, attends, scale):
     """(dq, dk, dv), laid out as the forward's output; dk and dv summed over the query heads sharing them."""
-    scores, row_lse = _padded_scores(q, k, keep, scale)
+    scores, row_lse = _masked_scores(q, k, attends, scale)
     probs = torch.exp(scores - row_lse[..., None])
     batch, heads, length, _ = q.shape
     groups = heads // k.shape[1]
     dtype = probs.dtype
-    grad = grad_out.to(dtype) * keep[:, None, :, None]
+    grad = grad_out.to(dtype) * attends.any(-1)[..., None]  # a query attending nothing outputs 0, a constant
     k_rep, v_rep = (t.to(dtype).repeat_interleave(groups, dim=1) for t in (k, v))
     grad_probs = torch.matmul(grad, v_rep.transpose(-1, -2))
     grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
@@ -340,3 +364,19 @@ def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
 
     return (_heads_major(dq.to(q.dtype)), _heads_major(per_kv_head(dk).to(k.dtype)),
             _heads_major(per_kv_head(dv).to(v.dtype)))
+
+
+def padded_attention(q, k, v, keep, scale):
+    return _masked_attention(q, k, v, _padded_attends(keep), scale)
+
+
+def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
+    return _masked_attention_backward(grad_out, q, k, v, _padded_attends(keep), scale)
+
+
+def packed_attention(q, k, v, position_ids, scale):
+    return _masked_attention(q, k, v, _packed_attends(position_ids), scale)
+
+
+def packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale):
+    return _masked_attention_backward(grad_out, q, k, v, _packed_attends(position_ids), scale)

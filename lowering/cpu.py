@@ -30,6 +30,8 @@ DECOMPOSITIONS = {
     torch.ops.graphopt.linear_cross_entropy_backward.default: reference.linear_cross_entropy_backward,
     torch.ops.graphopt.padded_attention.default: reference.padded_attention,
     torch.ops.graphopt.padded_attention_backward.default: reference.padded_attention_backward,
+    torch.ops.graphopt.packed_attention.default: reference.packed_attention,
+    torch.ops.graphopt.packed_attention_backward.default: reference.packed_attention_backward,
 }
 _DECOMPOSED = "aten decomposition of kernels/reference.py, compiled by Inductor (C++)"
 IMPLEMENTATIONS = {op: _DECOMPOSED for op in DECOMPOSITIONS} | {

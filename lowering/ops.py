@@ -466,25 +466,28 @@ def _padded_attention_backward_fake(grad_out, q, k, v, keep, out, lse, scale):
     return _attention_layout(q), _attention_layout(k), _attention_layout(v)
 
 
-def check_padded_attention(q, k, v, keep):
-    """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
+def _check_attention(op, q, k, v):
     torch._check(q.dim() == 4 and k.dim() == 4 and k.shape == v.shape,
-                 lambda: f"padded_attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be "
+                 lambda: f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be "
                          f"[batch, heads, length, head_dim], k and v of one shape")
     torch._check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2] and k.shape[3] == q.shape[3]
                  and q.shape[1] % k.shape[1] == 0,
-                 lambda: f"padded_attention: k and v {tuple(k.shape)} must match q {tuple(q.shape)} but in heads, "
-                         f"a divisor of q's")
+                 lambda: f"{op}: k and v {tuple(k.shape)} must match q {tuple(q.shape)} but in heads, a divisor of q's")
+
+
+def check_padded_attention(q, k, v, keep):
+    """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
+    _check_attention("padded_attention", q, k, v)
     torch._check(keep.dtype == torch.bool and keep.dim() == 2 and keep.shape[0] == q.shape[0]
                  and keep.shape[1] == q.shape[2],
                  lambda: f"padded_attention: keep {tuple(keep.shape)} {keep.dtype} must be bool [batch, length]")
 
 
-def _padded_attention_setup_context(ctx, inputs, output):
-    q, k, v, keep, scale = inputs
+def _masked_attention_setup_context(ctx, inputs, output):
+    q, k, v, tokens, scale = inputs  # tokens: padded_attention's keep, packed_attention's position_ids
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, keep, out, lse)
+    ctx.save_for_backward(q, k, v, tokens, out, lse)
     ctx.scale = scale
 
 
@@ -494,7 +497,60 @@ def _padded_attention_grad(ctx, grad_out, _grad_lse):
     return dq, dk, dv, None, None
 
 
-padded_attention.register_autograd(_padded_attention_grad, setup_context=_padded_attention_setup_context)
+padded_attention.register_autograd(_padded_attention_grad, setup_context=_masked_attention_setup_context)
+
+
+# --- packed_attention ---------------------------------------------------------------------------------------
+
+# Tagged cudagraph_unsafe: the CUDA kernels count the documents on the host, which a CUDA graph cannot replay, so
+# under CUDA graphs the op runs between the captured parts (Inductor's graph_partition).
+@torch.library.custom_op("graphopt::packed_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse): causal attention within each document of a packed batch, the documents found from position_ids
+    [B, L] (one starts wherever a position is not the one before it plus 1); GQA when k and v have fewer heads. The
+    definition and layouts: kernels/reference.py."""
+    check_packed_attention(q, k, v, position_ids)
+    return reference.packed_attention(q, k, v, position_ids, scale)
+
+
+@packed_attention.register_fake
+def _packed_attention_fake(q, k, v, position_ids, scale):
+    check_packed_attention(q, k, v, position_ids)
+    batch, heads, length, _ = q.shape
+    return _attention_layout(q), q.new_empty((heads, batch * length), dtype=torch.float32)
+
+
+@torch.library.custom_op("graphopt::packed_attention_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def packed_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, out: Tensor,
+                              lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) from the forward's out and lse."""
+    check_packed_attention(q, k, v, position_ids)
+    return reference.packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale)
+
+
+@packed_attention_backward.register_fake
+def _packed_attention_backward_fake(grad_out, q, k, v, position_ids, out, lse, scale):
+    check_packed_attention(q, k, v, position_ids)
+    return _attention_layout(q), _attention_layout(k), _attention_layout(v)
+
+
+def check_packed_attention(q, k, v, position_ids):
+    """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
+    _check_attention("packed_attention", q, k, v)
+    torch._check(not position_ids.is_floating_point() and position_ids.dtype != torch.bool
+                 and position_ids.dim() == 2 and position_ids.shape[0] == q.shape[0]
+                 and position_ids.shape[1] == q.shape[2],
+                 lambda: f"packed_attention: position_ids {tuple(position_ids.shape)} {position_ids.dtype} must be "
+                         f"integers [batch, length]")
+
+
+def _packed_attention_grad(ctx, grad_out, _grad_lse):
+    q, k, v, position_ids, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.graphopt.packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+packed_attention.register_autograd(_packed_attention_grad, setup_context=_masked_attention_setup_context)
 
 
 # --- offload / reload: saved activations to host memory and back (inserted by passes/offload.py) -----------
@@ -551,17 +607,18 @@ def _copy_out_of_graph_pool_fake(xs):
 # fp32 base under bf16 autocast would meet a bf16 input and an fp32 weight. Eager runs PEFT's linears (base and
 # adapters: x.to(adapter dtype) is cast back down by autocast's linear) and HF's lm_head in the autocast dtype, so
 # these ops take those inputs cast to it, as autocast's own linear would, and the gradients flow back through the
-# casts to the fp32 parameters as eager's do. padded_attention stands for an SDPA call, which autocast runs in its
-# dtype: q, k and v are cast too. The other ops need no rule: RMSNorm upcasts to fp32 itself, and the
-# gated activation and RoPE contain no op that autocast changes (a rotation that eager promotes to fp32 is cast up
-# by passes/fuse_rope.py). The dtype is read at each call, so bf16 and fp16 autocast both hold, on every device type
-# that has autocast. linear_logprobs needs none either: it takes the dtype TRL's head computes in as an argument
-# (compute_dtype, the autocast dtype of the call's region, passes/fuse_trl_logprob.py), so its gradients accumulate
-# in fp32 and return in the inputs' own dtypes, as TRL's do, instead of rounding through a cast.
+# casts to the fp32 parameters as eager's do. padded_attention and packed_attention stand for an SDPA call, which
+# autocast runs in its dtype: q, k and v are cast too. The other ops need no rule: RMSNorm upcasts to fp32 itself,
+# and the gated activation and RoPE contain no op that autocast changes (a rotation that eager promotes to fp32 is
+# cast up by passes/fuse_rope.py). The dtype is read at each call, so bf16 and fp16 autocast both hold, on every
+# device type that has autocast. linear_logprobs needs none either: it takes the dtype TRL's head computes in as an
+# argument (compute_dtype, the autocast dtype of the call's region, passes/fuse_trl_logprob.py), so its gradients
+# accumulate in fp32 and return in the inputs' own dtypes, as TRL's do, instead of rounding through a cast.
 AUTOCAST_CASTS = {  # op → the positions of the inputs autocast casts
     "lora_linear": (0, 1, 2, 3, 4),  # x, weight, bias, lora_a, lora_b
     "linear_cross_entropy": (0, 1, 2),  # hidden, weight, bias
     "padded_attention": (0, 1, 2),  # q, k, v: autocast runs SDPA in its dtype
+    "packed_attention": (0, 1, 2),
 }
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "privateuseone")  # privateuseone: Ascend's npu
 
@@ -602,5 +659,6 @@ BACKWARD_OF = {
     torch.ops.graphopt.linear_cross_entropy.default: torch.ops.graphopt.linear_cross_entropy_backward.default,
     torch.ops.graphopt.linear_logprobs.default: torch.ops.graphopt.linear_logprobs_backward.default,
     torch.ops.graphopt.padded_attention.default: torch.ops.graphopt.padded_attention_backward.default,
+    torch.ops.graphopt.packed_attention.default: torch.ops.graphopt.packed_attention_backward.default,
 }
 ALL_OPS = [op for pair in BACKWARD_OF.items() for op in pair]

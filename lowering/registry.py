@@ -45,7 +45,8 @@ def lowering_for(target: str) -> Lowering:
         return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda",
                         variants={torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
-                                  torch.ops.graphopt.padded_attention.default: cuda.padded_attention_variant})
+                                  torch.ops.graphopt.padded_attention.default: cuda.attention_variant,
+                                  torch.ops.graphopt.packed_attention.default: cuda.attention_variant})
     if target == "cpu":
         return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
                         implementations=dict(cpu.IMPLEMENTATIONS), offload_copies=False)

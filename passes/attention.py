@@ -17,7 +17,7 @@ kernel computes the masked half and reads the mask) and saved 32-head copies of 
                     h * n, s, d)                                            →  x itself, enable_gqa=True
                     (SDPA's GQA maps query head i to kv head i // n, the same head repeat_kv copies there.)
 
-and one more where the mask is causal over a padded batch:
+and two more where the mask is causal over a padded or a packed batch:
 
   attention_padded  attn_mask = causal & attention_mask[b, kv] (HF's padded batches: its 2-D attention_mask, a
                     graph input)                       →  graphopt::padded_attention(q, k, v, keep), k and v
@@ -25,10 +25,15 @@ and one more where the mask is causal over a padded batch:
                     under a mask (the mask makes SDPA take its slow kernels, and repeat k and v). The op's output
                     is 0 at padding queries, as HF's flash-attention path makes it: eager's value there is read
                     by no kept position, so the loss over kept tokens and every gradient are eager's.
+  attention_packed  attn_mask = causal (over indices, or over position_ids) & one document (HF's packed batches
+                    without padding: documents numbered from position_ids, a graph input)
+                                                       →  graphopt::packed_attention(q, k, v, position_ids), k
+                                                          and v unrepeated; on NVIDIA GPUs each document is one
+                                                          sequence of the flash kernels.
 
 Masks are read symbolically first (_read_mask): HF builds them from index aranges broadcast over [batch, head,
-q, kv] and conjunctions of conditions on them, and a mask read as exactly "kv ≤ q" (and "attention_mask[b, kv]")
-is that at every size, symbolic ones included. A mask that reading does not cover falls back to the evaluation
+q, kv] and conjunctions of conditions on them, and a mask read as exactly "kv ≤ q" (and "attention_mask[b, kv]",
+or "one document") is that at every size, symbolic ones included. A mask that reading does not cover falls back to the evaluation
 below, at static sizes only.
 """
 
@@ -129,7 +134,11 @@ def _check_causal(args: dict) -> None:
 # --- the mask read symbolically -----------------------------------------------------------------------------
 
 _BATCH, _HEAD, _QUERY, _KEY = range(4)  # the axes of an SDPA mask
-_CAUSAL, _KEEP = "kv ≤ q", "attention_mask[b, kv]"  # the conditions a mask may be the conjunction of
+# The conditions a mask may be the conjunction of
+_CAUSAL = "kv ≤ q"
+_KEEP = "attention_mask[b, kv]"
+_POSITIONS_CAUSAL = "position_ids[b, kv] ≤ position_ids[b, q]"
+_SAME_DOCUMENT = "document[b, q] = document[b, kv]"  # documents numbered from position_ids (see _PerToken)
 
 
 @dataclass(frozen=True)
@@ -141,12 +150,20 @@ class _Index:
 
 
 @dataclass(frozen=True)
-class _Padding:
-    """The 2-D attention_mask graph input: as bool (its nonzero entries) once converted, and whether it is indexed
-    as [b, kv] of the mask yet."""
+class _PerToken:
+    """A 2-D graph input of one value per token (attention_mask, or position_ids), or what HF derives from
+    position_ids to number a packed row's documents (masking_utils.find_packed_sequence_indices), by `stage`:
+    "input" as given; "first" its first column; "before" that minus 1; "steps" torch.diff of the input with "before"
+    prepended; "starts" steps ≠ 1, where a document starts; "documents" their running count along the row.
+    as_bool: converted to bool (its nonzero entries); axis: the mask axis it is indexed along as [b, q] or [b, kv]
+    (None before)."""
     input: Node
+    stage: str = "input"
     as_bool: bool = False
-    placed: bool = False
+    axis: object = None
+
+    def then(self, stage):
+        return _PerToken(self.input, stage)
 
 
 @dataclass(frozen=True)
@@ -159,22 +176,41 @@ def _placed(index, axis):
     return isinstance(index, _Index) and index.axis == axis and index.offset == 0
 
 
+def _token_axis(index):
+    """_QUERY or _KEY when index places a [B, L] tensor as [b, q] or [b, kv] of the mask; None otherwise."""
+    if index == (slice(None), None, None, slice(None)):
+        return _KEY
+    if isinstance(index, tuple) and len(index) == 2 and _placed(index[0], _BATCH):
+        return next((axis for axis in (_QUERY, _KEY) if _placed(index[1], axis)), None)
+    return None
+
+
+def _same_input(a, b, stage, axes):
+    return (isinstance(a, _PerToken) and isinstance(b, _PerToken) and a.input is b.input and a.stage == b.stage == stage
+            and not a.as_bool and not b.as_bool and {a.axis, b.axis} == axes)
+
+
 def _read_node(node: Node, read: dict):
     """What node computes, in the terms above; Miss when it is anything else."""
     args, kwargs = map_arg((node.args, node.kwargs), lambda a: read.get(a, value(a)))
     target = node.target
+    last_dim = (-1, 1)  # of a [B, L] tensor
     if node.op == "placeholder":
         v = value(node)
         if isinstance(v, torch.Tensor):
             if v.dim() != 2:
-                raise Miss(f"the mask reads graph input {node.name}, not a 2-D attention_mask")
-            return _Padding(node, as_bool=v.dtype == torch.bool)
+                raise Miss(f"the mask reads graph input {node.name}, not a 2-D attention_mask or position_ids")
+            return _PerToken(node, as_bool=v.dtype == torch.bool)
         return v  # a size
     if node.op == "call_method" and target in ("to", "bool"):
         dtype = torch.bool if target == "bool" else \
             kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))
-        if isinstance(args[0], _Padding) and dtype == torch.bool:
-            return _Condition(frozenset([_KEEP])) if args[0].placed else _Padding(args[0].input, as_bool=True)
+        token = args[0]
+        if isinstance(token, _PerToken) and token.stage == "input" and dtype == torch.bool:
+            if token.axis == _KEY:
+                return _Condition(frozenset([_KEEP]))
+            if token.axis is None:
+                return _PerToken(token.input, as_bool=True)
         if dtype is None or (dtype == torch.bool and isinstance(args[0], _Condition)):
             return args[0]  # a move between devices
     elif node.op == "call_method" and target == "expand":
@@ -190,16 +226,38 @@ def _read_node(node: Node, read: dict):
     elif is_call(node, operator.getitem) and isinstance(args[0], _Index) and isinstance(args[1], tuple) \
             and len(args[1]) == 4 and args[1].count(None) == 3 and args[1].count(slice(None)) == 1:
         return _Index(args[0].size, args[0].offset, args[1].index(slice(None)))
-    elif is_call(node, operator.getitem) and isinstance(args[0], _Padding) and not args[0].placed:
-        index, padding = args[1], args[0]
-        batch_key = isinstance(index, tuple) and len(index) == 2 and _placed(index[0], _BATCH) \
-            and _placed(index[1], _KEY)  # HF: attention_mask[batch_idx, kv_idx]
-        if batch_key or index == (slice(None), None, None, slice(None)):
-            return _Condition(frozenset([_KEEP])) if padding.as_bool else _Padding(padding.input, placed=True)
+    elif is_call(node, operator.getitem) and isinstance(args[0], _PerToken) and args[0].axis is None:
+        token, axis = args[0], _token_axis(args[1])
+        if token.stage == "input" and args[1] == (slice(None), slice(None, 1)):
+            return token.then("first")
+        if axis == _KEY and token.stage == "input" and token.as_bool:
+            return _Condition(frozenset([_KEEP]))  # HF: attention_mask[batch_idx, kv_idx], already bool
+        if axis is not None and token.stage in ("input", "documents"):
+            return _PerToken(token.input, token.stage, token.as_bool, axis)
+    elif is_call(node, operator.sub, torch.sub) and isinstance(args[0], _PerToken) and args[0].stage == "first" \
+            and args[1] == 1:
+        return args[0].then("before")
+    elif is_call(node, torch.diff) and isinstance(args[0], _PerToken) and args[0].stage == "input" \
+            and args[0].axis is None and len(args) == 1 and kwargs.get("n", 1) == 1 \
+            and kwargs.get("dim", -1) in last_dim and isinstance(kwargs.get("prepend"), _PerToken) \
+            and kwargs["prepend"].input is args[0].input and kwargs["prepend"].stage == "before" \
+            and "append" not in kwargs:
+        return args[0].then("steps")
+    elif is_call(node, operator.ne, torch.ne) and isinstance(args[0], _PerToken) and args[0].stage == "steps" \
+            and args[1] == 1:
+        return args[0].then("starts")
+    elif (node.op == "call_method" and target == "cumsum" or is_call(node, torch.cumsum)) \
+            and isinstance(args[0], _PerToken) and args[0].stage == "starts" \
+            and (args[1] if len(args) > 1 else kwargs.get("dim")) in last_dim and "dtype" not in kwargs:
+        return args[0].then("documents")
     elif is_call(node, operator.le, operator.ge, torch.le, torch.ge):
         smaller, larger = args[:2] if target in (operator.le, torch.le) else args[1::-1]
         if _placed(smaller, _KEY) and _placed(larger, _QUERY):
             return _Condition(frozenset([_CAUSAL]))
+        if _same_input(smaller, larger, "input", {_KEY, _QUERY}) and smaller.axis == _KEY:
+            return _Condition(frozenset([_POSITIONS_CAUSAL]))  # HF ≥ 5.24: causal over positions
+    elif is_call(node, operator.eq, torch.eq) and _same_input(args[0], args[1], "documents", {_QUERY, _KEY}):
+        return _Condition(frozenset([_SAME_DOCUMENT]))
     elif is_call(node, operator.and_, torch.logical_and, torch.bitwise_and) \
             and all(isinstance(a, _Condition) for a in args[:2]):
         return _Condition(args[0].terms | args[1].terms)
@@ -210,8 +268,8 @@ def _read_node(node: Node, read: dict):
 
 
 def _read_mask(args: dict):
-    """(the conditions the mask is the conjunction of, the attention_mask graph input it reads or None), at every
-    size; Miss when the mask is not made of the nodes _read_node reads or its sizes are not the attention's."""
+    """(the conditions the mask is the conjunction of, the 2-D graph input it reads or None), at every size; Miss
+    when the mask is not made of the nodes _read_node reads or its sizes are not the attention's."""
     mask = args["attn_mask"]
     read = {}
     for node in _ancestors(mask):
@@ -231,18 +289,23 @@ def _read_mask(args: dict):
         raise Miss(f"the mask's shape {tuple(shape)} is not the attention's")
     if not statically_known_true(sizes[_QUERY] == sizes[_KEY]):
         raise Miss("queries and keys differ in length (a KV cache): causal from position 0 does not hold")
-    paddings = {v.input for v in read.values() if isinstance(v, _Padding)}
-    return condition.terms, next(iter(paddings)) if len(paddings) == 1 else None
+    inputs = {v.input for v in read.values() if isinstance(v, _PerToken)}
+    return condition.terms, next(iter(inputs)) if len(inputs) == 1 else None
 
 
 def _mask_kind(args: dict):
-    """("causal", None) or ("padded", the attention_mask input) where the mask is proven so; Miss otherwise."""
+    """("causal", None), ("padded", the attention_mask input) or ("packed", the position_ids input) where the mask
+    is proven so; Miss otherwise.
+
+    Packed: within one document positions go up by 1 a token (that is where _PerToken's documents break), so
+    "position_ids[b, kv] ≤ position_ids[b, q]" is "kv ≤ q" there, and a document is one run of tokens (its number
+    is a running count of starts): the mask is causal attention within each run, packed_attention's definition."""
     if args.get("is_causal", False):
         raise Miss("both a mask and is_causal are given")
     if not isinstance(args["attn_mask"], Node):
         raise Miss("the mask is a constant, not a node")
     try:
-        terms, keep = _read_mask(args)
+        terms, tokens = _read_mask(args)
     except Miss as unread:
         if free_symbols(value(args["attn_mask"])) or free_symbols(value(args["query"])):
             raise Miss(f"{unread}; with symbolic sizes (dynamic shapes) evaluating it proves nothing") from None
@@ -250,10 +313,13 @@ def _mask_kind(args: dict):
         return "causal", None
     if terms == {_CAUSAL}:
         return "causal", None
-    if terms == {_CAUSAL, _KEEP} and keep is not None:
-        return "padded", keep
+    if terms == {_CAUSAL, _KEEP} and tokens is not None:
+        return "padded", tokens
+    if terms in ({_CAUSAL, _SAME_DOCUMENT}, {_POSITIONS_CAUSAL, _SAME_DOCUMENT}) and tokens is not None:
+        return "packed", tokens
     raise Miss("the mask is not the causal lower triangle (padding, a sliding window or a prefix)"
-               if _CAUSAL not in terms else "the mask adds a condition to causal other than attention_mask")
+               if not {_CAUSAL, _POSITIONS_CAUSAL} & terms else
+               f"the mask adds conditions to causal that graphopt does not fuse ({', '.join(sorted(terms))})")
 
 
 def _repeated(node: Node):
@@ -328,8 +394,8 @@ def _erase_unused(nodes) -> None:
 def rewrite_attention(gm: GraphModule, report) -> int:
     """Rewrite each SDPA call's mask and repeated k/v as above; record each rewrite and each miss."""
     rewritten = 0
-    kinds = {}  # (mask, lengths) → (kind, attention_mask) or why it is neither (one mask serves every layer)
-    keeps = {}  # (attention_mask, device) → its bool form, shared by the layers
+    kinds = {}  # (mask, lengths) → (kind, 2-D input) or why it is none (one mask serves every layer)
+    tokens = {}  # (2-D input, device) → what the fused op reads of it, shared by the layers
     for sdpa in [n for n in gm.graph.nodes if is_call(n, F.scaled_dot_product_attention)]:
         args = sdpa_arguments(sdpa)
         if not all(isinstance(args.get(k), Node) for k in ("query", "key", "value")):
@@ -349,13 +415,14 @@ def rewrite_attention(gm: GraphModule, report) -> int:
                 report.fusions.append(record_for(sdpa, "attention_causal"))
                 rewritten += 1
             elif isinstance(kinds[key], tuple):
+                kind, per_token = kinds[key]
                 try:
-                    _padded_attention(sdpa, args, kinds[key][1], keeps)
-                    report.fusions.append(record_for(sdpa, "attention_padded"))
+                    _masked_attention(sdpa, args, kind, per_token, tokens)
+                    report.fusions.append(record_for(sdpa, f"attention_{kind}"))
                     rewritten += 1
                     continue
                 except Miss as miss:
-                    report.misses.append(record_for(sdpa, "attention_padded", str(miss)))
+                    report.misses.append(record_for(sdpa, f"attention_{kind}", str(miss)))
             else:
                 report.misses.append(record_for(sdpa, "attention_causal", kinds[key]))
         try:
@@ -376,9 +443,9 @@ def rewrite_attention(gm: GraphModule, report) -> int:
     return rewritten
 
 
-def _padded_attention(sdpa: Node, args: dict, attention_mask: Node, keeps: dict) -> None:
-    """Replace sdpa, whose mask is causal & (attention_mask != 0), by graphopt::padded_attention of unrepeated k
-    and v."""
+def _masked_attention(sdpa: Node, args: dict, kind: str, per_token: Node, tokens: dict) -> None:
+    """Replace sdpa by graphopt::padded_attention (kind "padded": its mask is causal & (attention_mask != 0)) or
+    graphopt::packed_attention ("packed": causal within the documents of position_ids), of unrepeated k and v."""
     query, key, val = args["query"], args["key"], args["value"]
     if value(args.get("dropout_p", 0.0)) != 0:
         raise Miss("attention dropout: the fused op has none")
@@ -387,17 +454,19 @@ def _padded_attention(sdpa: Node, args: dict, attention_mask: Node, keeps: dict)
     q = value(query)
     if q.dim() != 4 or q.dtype not in FUSABLE_DTYPES:
         raise Miss(f"query {q.dtype} of {q.dim()} dimensions: the op takes [batch, heads, length, dim] floats")
+    if not statically_known_true(value(per_token).shape[0] == q.shape[0]):
+        raise Miss(f"{per_token.name} has {value(per_token).shape[0]} rows for a batch of {q.shape[0]}")
     key, val = _unrepeated(args) or (key, val)
     scale = args.get("scale")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     graph = sdpa.graph
-    keep = _keep(attention_mask, value(query).device, keeps)
+    op = getattr(torch.ops.graphopt, f"{kind}_attention").default
+    per_token = _on_device(per_token, kind == "padded", q.device, tokens)
     with graph.inserting_before(sdpa):
-        fused = graph.call_function(torch.ops.graphopt.padded_attention.default, (query, key, val, keep, scale))
+        fused = graph.call_function(op, (query, key, val, per_token, scale))
         out = graph.call_function(operator.getitem, (fused, 0))
-    outputs = torch.ops.graphopt.padded_attention.default(value(query), value(key), value(val), value(keep),
-                                                          value(scale))
+    outputs = op(value(query), value(key), value(val), value(per_token), value(scale))
     fused.meta = dict(sdpa.meta, example_value=outputs)
     out.meta = dict(sdpa.meta, example_value=outputs[0])
     sdpa.replace_all_uses_with(out)
@@ -406,16 +475,19 @@ def _padded_attention(sdpa: Node, args: dict, attention_mask: Node, keeps: dict)
     _erase_unused(old)
 
 
-def _keep(attention_mask: Node, device, keeps: dict) -> Node:
-    """attention_mask != 0 as a bool tensor on the attention's device, computed once after the input: every layer
-    reads the same node."""
-    if (attention_mask, str(device)) not in keeps:
-        graph, mask = attention_mask.graph, value(attention_mask)
-        with graph.inserting_after(attention_mask):
-            nonzero = graph.call_function(torch.ne, (attention_mask, 0))
-        with graph.inserting_after(nonzero):
-            keep = graph.call_method("to", (nonzero,), {"device": device})
-        nonzero.meta = dict(attention_mask.meta, example_value=torch.empty_like(mask, dtype=torch.bool))
-        keep.meta = dict(attention_mask.meta, example_value=torch.empty_like(mask, dtype=torch.bool, device=device))
-        keeps[(attention_mask, str(device))] = keep
-    return keeps[(attention_mask, str(device))]
+def _on_device(per_token: Node, as_keep: bool, device, tokens: dict) -> Node:
+    """The 2-D input on the attention's device, as keep (attention_mask != 0, bool) or as it is (position_ids),
+    computed once after the input: every layer reads the same node."""
+    if (per_token, str(device)) not in tokens:
+        graph, example = per_token.graph, value(per_token)
+        dtype = torch.bool if as_keep else example.dtype
+        source = per_token
+        if as_keep:
+            with graph.inserting_after(per_token):
+                source = graph.call_function(torch.ne, (per_token, 0))
+            source.meta = dict(per_token.meta, example_value=torch.empty_like(example, dtype=dtype))
+        with graph.inserting_after(source):
+            moved = graph.call_method("to", (source,), {"device": device})
+        moved.meta = dict(per_token.meta, example_value=torch.empty_like(example, dtype=dtype, device=device))
+        tokens[(per_token, str(device))] = moved
+    return tokens[(per_token, str(device))]

@@ -51,12 +51,13 @@ def detach_cache(gm: GraphModule, report) -> int:
 
 
 def _keys_and_values(gm):
-    """(key, value) of each attention call: SDPA's, and graphopt::padded_attention's (passes/attention.py)."""
+    """(key, value) of each attention call: SDPA's, and graphopt::padded_attention's and packed_attention's
+    (passes/attention.py)."""
     for node in gm.graph.nodes:
         if is_call(node, F.scaled_dot_product_attention):
             args = sdpa_arguments(node)
             yield args.get("key"), args.get("value")
-        elif is_call(node, torch.ops.graphopt.padded_attention.default):
+        elif is_call(node, torch.ops.graphopt.padded_attention.default, torch.ops.graphopt.packed_attention.default):
             yield node.args[1], node.args[2]
 
 

@@ -267,17 +267,17 @@ def _linear_logprobs_backward_flops(grad_log_probs_shape, grad_entropy_shape, hi
     return 2 * rows * vocab * hidden * (1 + grad_hidden + grad_weight)  # the logits again, then each gradient
 
 
-# Attention over a padded batch: QKᵀ and PV, causal (half of each), counted at the padded length (an upper bound:
-# the kernels skip the padding, which the shapes do not show).
-@register_flop_formula(torch.ops.graphopt.padded_attention)
-def _padded_attention_flops(q_shape, *args, **kwargs):
+# Attention over a padded or packed batch: QKᵀ and PV, causal (half of each), counted over the whole row (an upper
+# bound: the kernels skip the padding and the other documents, which the shapes do not show).
+@register_flop_formula([torch.ops.graphopt.padded_attention, torch.ops.graphopt.packed_attention])
+def _masked_attention_flops(q_shape, *args, **kwargs):
     batch, heads, length, dim = q_shape
     return 2 * batch * heads * length * length * dim
 
 
-@register_flop_formula(torch.ops.graphopt.padded_attention_backward)
-def _padded_attention_backward_flops(grad_out_shape, q_shape, *args, **kwargs):
-    return 5 * _padded_attention_flops(q_shape) // 2  # dV, dP, dQ, dK and the recomputed scores: 2.5× the forward
+@register_flop_formula([torch.ops.graphopt.padded_attention_backward, torch.ops.graphopt.packed_attention_backward])
+def _masked_attention_backward_flops(grad_out_shape, q_shape, *args, **kwargs):
+    return 5 * _masked_attention_flops(q_shape) // 2  # dV, dP, dQ, dK and the recomputed scores: 2.5× the forward
 
 
 # torch before 2.13 counts SDPA's FLOPs only when k and v have q's number of heads: under GQA (enable_gqa, which

@@ -1,0 +1,52 @@
+"""graphopt::packed_attention on NVIDIA GPUs: FlashAttention-2's variable-length kernels (aten's
+_flash_attention_forward/_backward) with one causal sequence per document of the packed batch.
+
+The tokens are already one document after another, so [B, H, L, D] is handed over as the flat [B·L, H, D] layout
+it is stored in (HF's q, k and v are transposed views of [B, L, H, D]: no copy). The documents' bounds come from
+position_ids on the device; their count and the longest document are read on the host (the kernels size their
+grid by them), one wait for the GPU per call, as HF's own flash path waits. That wait is why the op is not captured
+in CUDA graphs (lowering/ops.py).
+"""
+
+import torch
+
+from graphopt.kernels.padded_attention import longest_for_kernels
+from graphopt.kernels.reference import document_starts
+
+
+def _documents(position_ids):
+    """(cumulative document starts [n + 1] int32 over the flattened batch, the longest document's length)."""
+    batch, length = position_ids.shape
+    starts = document_starts(position_ids).flatten().nonzero().flatten()  # waits for the GPU
+    bounds = torch.cat([starts, starts.new_full((1,), batch * length)]).to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return bounds, longest_for_kernels(longest)
+
+
+def _flat(x):
+    """x [B, H, L, D] → [B·L, H, D] (a view when x is laid out [B, L, H, D])."""
+    batch, heads, length, dim = x.shape
+    return x.transpose(1, 2).reshape(batch * length, heads, dim)
+
+
+def _unflat(y, batch, length):
+    """[B·L, H, D] → [B, H, L, D] stored [B, L, H, D], the op's output layout."""
+    return y.view(batch, length, *y.shape[1:]).transpose(1, 2)
+
+
+def packed_attention_forward(q, k, v, position_ids, scale):
+    batch, _, length, _ = q.shape
+    bounds, longest = _documents(position_ids)
+    out, lse = torch.ops.aten._flash_attention_forward(
+        _flat(q), _flat(k), _flat(v), bounds, bounds, longest, longest, 0.0, True, False, scale=scale)[:2]
+    return _unflat(out, batch, length), lse
+
+
+def packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale):
+    batch, _, length, _ = q.shape
+    bounds, longest = _documents(position_ids)
+    no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state dropout would have used
+    grads = torch.ops.aten._flash_attention_backward(
+        _flat(grad_out), _flat(q), _flat(k), _flat(v), _flat(out), lse, bounds, bounds, longest, longest, 0.0, True,
+        no_dropout, torch.empty(0, device=q.device), scale=scale)
+    return tuple(_unflat(g, batch, length) for g in grads)

@@ -1,0 +1,194 @@
+"""graphopt::packed_attention and the attention_packed rewrite (passes/attention.py): causal attention within each
+document of a packed batch (padding-free, position_ids restarting per document), checked against fp64 SDPA with
+HF's mask; opcheck; the rewrite of HF's mask in both forms transformers builds it (the index causal of 5.17, the
+position causal of 5.24), and not of near misses; HF models on DataCollatorWithFlattening's batches at a static
+then a symbolic length, loss and gradients equal to eager. On CUDA the op runs the flash variable-length kernels
+(kernels/packed_attention.py), in bf16 and fp16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from hypothesis import given, strategies as st
+
+import graphopt  # noqa: F401  (registers the graphopt ops)
+from graphs import first_output, relative_error, run_pass
+from graphopt.passes.attention import rewrite_attention
+from models import ARCHITECTURES, tiny_lora_model
+from test_attention import qkv, repeat_kv, sdpa_nodes
+from test_batches import compile_and_compare
+from texts import VOCAB, sentences
+
+OP = torch.ops.graphopt.packed_attention.default
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def positions_of(rows):
+    """position_ids [B, L] of rows of document lengths, each row's documents one after another."""
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+
+
+def documents(position_ids):  # HF's find_packed_sequence_indices, verbatim but for names
+    diff = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (diff != 1).cumsum(-1)
+
+
+def index_mask(q, position_ids):  # transformers 5.17 under torch.compile: causal over indices & one document
+    batch, length = position_ids.shape
+    doc = documents(position_ids)
+    b = torch.arange(batch)[:, None, None, None]
+    q_idx = (torch.arange(length) + 0)[None, None, :, None]
+    kv_idx = (torch.arange(length) + 0)[None, None, None, :]
+    return ((kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])).expand(batch, -1, length, length)
+
+
+def position_mask(q, position_ids):  # transformers 5.24: causal over the positions & one document
+    batch, length = position_ids.shape
+    doc = documents(position_ids)
+    positions = position_ids.expand(batch, -1)
+    b = torch.arange(batch)[:, None, None, None]
+    q_idx = (torch.arange(length) + 0)[None, None, :, None]
+    kv_idx = (torch.arange(length) + 0)[None, None, None, :]
+    causal = positions[b, kv_idx] <= positions[b, q_idx]
+    return (causal & (doc[b, q_idx] == doc[b, kv_idx])).expand(batch, -1, length, length)
+
+
+def exact(q, k, v, position_ids, scale):
+    """fp64 SDPA with HF's mask."""
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(groups, 1),
+                                          v.double().repeat_interleave(groups, 1),
+                                          attn_mask=index_mask(q, position_ids.cpu()).to(q.device), scale=scale)
+
+
+def inputs(batch, heads, kv_heads, length, dim, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, length, h, dim, generator=g).to(device, dtype).transpose(1, 2).requires_grad_()
+            for h in (heads, kv_heads, kv_heads)]  # as HF lays them out: [B, L, H, D] seen as [B, H, L, D]
+
+
+def check(q, k, v, position_ids, scale, tolerance):
+    out, _ = OP(q, k, v, position_ids, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.transpose(1, 2).is_contiguous()  # laid out [B, L, H, D], as the fake says
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = exact(q64, k64, v64, position_ids, scale)
+    expected_grads = torch.autograd.grad(expected, (q64, k64, v64), grad.double())
+    assert relative_error(out, expected) <= tolerance
+    assert relative_error(torch.cat([g.flatten() for g in grads]),
+                          torch.cat([g.flatten() for g in expected_grads])) <= tolerance
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.sampled_from([1, 2, 4]),
+       dim=st.sampled_from([8, 16, 64]), data=st.data())
+def test_matches_fp64(device, batch, kv_heads, groups, dim, data):
+    length = data.draw(st.integers(1, 48))
+    rows = []
+    for _ in range(batch):  # each row: documents of 1 or more tokens filling the length
+        cuts = sorted(data.draw(st.sets(st.integers(1, length - 1), max_size=6)) if length > 1 else [])
+        rows.append([b - a for a, b in zip([0] + cuts, cuts + [length])])
+    position_ids = positions_of(rows).to(device)
+    dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if device == "cuda" else [])
+    for dtype in dtypes:
+        q, k, v = inputs(batch, kv_heads * groups, kv_heads, length, dim, dtype, device, seed=length)
+        check(q, k, v, position_ids, dim ** -0.5, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_opcheck():
+    q, k, v = inputs(2, 4, 2, 9, 8, torch.float32, "cpu")
+    position_ids = positions_of([[4, 5], [9]])
+    torch.library.opcheck(OP, (q, k, v, position_ids, 0.25))
+    out, lse = OP(q, k, v, position_ids, 0.25)
+    grad = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.graphopt.packed_attention_backward.default,
+                          (grad, q.detach(), k.detach(), v.detach(), position_ids, out.detach(), lse, 0.25))
+
+
+def test_documents_are_runs_of_consecutive_positions():
+    """A document starts at a row's start and wherever a position is not the last plus 1 (a restart at 0, or a
+    jump), as HF numbers them."""
+    from graphopt.kernels.reference import document_starts
+
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 5, 6, 0], [3, 4, 5, 6, 7, 8, 9, 10]])
+    starts = document_starts(position_ids)
+    assert starts.int().tolist() == [[1, 0, 0, 1, 0, 1, 0, 1], [1, 0, 0, 0, 0, 0, 0, 0]]
+    assert torch.equal(starts.cumsum(-1) - 1, documents(position_ids) - documents(position_ids)[:, :1])
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="the flash kernels run on CUDA")
+def test_cuda_runs_the_flash_kernels():
+    """bf16 on CUDA takes the variable-length flash kernels (no [L × L] scores)."""
+    from graphopt.kernels import padded_attention
+
+    q, k, v = inputs(1, 8, 2, 512, 64, torch.bfloat16, "cuda")
+    assert padded_attention.supported(q, k, v)
+    position_ids = positions_of([[100, 300, 112]]).cuda()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    OP(q, k, v, position_ids, 0.125)
+    scores = 8 * 512 * 512 * 4
+    assert torch.cuda.max_memory_allocated() - before < scores
+
+
+def hf_packed(mask_of):
+    def attention(q, k, v, position_ids):
+        n = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, repeat_kv(k, n), repeat_kv(v, n), attn_mask=mask_of(q, position_ids))
+    return attention
+
+
+@pytest.mark.parametrize("mask_of", [index_mask, position_mask])
+def test_both_forms_of_hf_packed_mask_become_packed_attention(mask_of):
+    q, k, v = qkv(2, 8, 2, 16, 8, torch.float32)
+    position_ids = positions_of([[5, 7, 4], [16]])
+    gm, inputs_, expected, report, _ = run_pass(rewrite_attention, hf_packed(mask_of), q, k, v, position_ids)
+    assert [r.pattern for r in report.fusions] == ["attention_packed"] and not report.misses
+    assert not sdpa_nodes(gm)
+    assert relative_error(first_output(gm, inputs_), expected) <= 1e-6
+
+
+def positions_only(q, position_ids):  # causal over positions without the documents: not causal over indices
+    batch, length = position_ids.shape
+    b = torch.arange(batch)[:, None, None, None]
+    q_idx, kv_idx = torch.arange(length)[None, None, :, None], torch.arange(length)[None, None, None, :]
+    return position_ids[b, kv_idx] <= position_ids[b, q_idx]
+
+
+def other_documents(q, position_ids):  # documents broken where positions step by 2: not HF's numbering
+    batch, length = position_ids.shape
+    doc = (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 2).cumsum(-1)
+    b = torch.arange(batch)[:, None, None, None]
+    q_idx, kv_idx = torch.arange(length)[None, None, :, None], torch.arange(length)[None, None, None, :]
+    return (kv_idx <= q_idx) & (doc[b, q_idx] == doc[b, kv_idx])
+
+
+@pytest.mark.parametrize("mask_of", [positions_only, other_documents])
+def test_near_misses_stay(mask_of):
+    q, k, v = qkv(2, 8, 2, 16, 8, torch.float32)
+    position_ids = positions_of([[5, 7, 4], [16]])
+    gm, inputs_, expected, report, _ = run_pass(rewrite_attention, hf_packed(mask_of), q, k, v, position_ids)
+    assert "attention_packed" not in [r.pattern for r in report.fusions]
+    assert [m for m in report.misses if m.pattern == "attention_causal"]
+    assert torch.equal(first_output(gm, inputs_), expected)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_hf_packed_batches_fuse_and_train_the_same(arch, fresh_dynamo):
+    """DataCollatorWithFlattening's batches at a static then a symbolic length: every attention layer fused (but
+    under a sliding window, which stays with a miss), loss and gradients equal to eager."""
+    model = tiny_lora_model(arch, vocab_size=VOCAB, use_cache=False)  # HF keeps documents apart without a cache
+    data = sentences()
+    flatten = transformers.DataCollatorWithFlattening()
+    graphs, reports = compile_and_compare(model, [flatten(data[0:4]), flatten(data[6:9])])
+    assert graphs == [1, 2]  # the static graph, then the symbolic one
+    layers = model.config.num_hidden_layers
+    for report in reports:
+        if getattr(model.config, "sliding_window", None):  # Mistral's: the mask adds kv > q - window
+            assert "attention_packed" not in report.summary()
+            assert [m for m in report.misses if m.pattern == "attention_causal"]
+            continue
+        assert report.summary().get("attention_packed") == layers
+        assert not [m for m in report.misses if m.pattern.startswith("attention")]
