@@ -85,10 +85,12 @@ SHAPES = {
 }
 
 
-def llama_config(shape):
+def llama_config(shape, data="fixed"):
+    """Packed batches train without a KV cache: only then does HF keep the documents apart (TRL's padding-free
+    training and gradient checkpointing turn the cache off too)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(**SHAPES[shape], max_position_embeddings=131072,
+    return LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, use_cache=data != "packed",
                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
 
 
@@ -173,7 +175,7 @@ def prepare_unsloth(args, config, dtype, device):
 
 def prepare(args, device, dtype):
     """(model to take the parameters from, callable that runs the forward, anything to keep alive)."""
-    config = llama_config(args.shape)
+    config = llama_config(args.shape, args.data)
     if args.variant == "unsloth":
         model, keep_alive = prepare_unsloth(args, config, dtype, device)
         return model, model, keep_alive
@@ -519,8 +521,10 @@ def run(args):
         "device_name": device_name(device),
         "host_link_gib_s": host_link,
         "launch_us": host_launch_us,
-        # the caching allocator's settings (Unsloth sets expandable segments on import)
+        # the caching allocator's settings: Unsloth sets expandable segments on import, graphopt when it compiles
         "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
+        "allocator_note": next((n for n in graphopt.last_report().notes if n.startswith("CUDA allocator")), None)
+        if args.variant == "graphopt" else None,
         "torch": torch.__version__,
         "triton": version_of("triton"),
         "transformers": version_of("transformers"),

@@ -4,6 +4,8 @@ settings by platform, kernels/layout.py); ops listed in DECOMPOSITIONS are inste
 below autograd (their backward formula stays ours), where measurement showed its fused code is faster.
 """
 
+import os
+
 import torch
 
 from graphopt.lowering import ops
@@ -191,6 +193,28 @@ def _lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_
         grads = reference.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
         return tuple(g.contiguous() for g in grads)
     return lora.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling)
+
+
+# The caching allocator's expandable segments. Fine-tuning batches change length every step, and with fixed-size
+# segments the allocator splits and keeps blocks of every size met: on the H200, padded SFT batches at the
+# Llama-3.2-1B shape reserved 32.7 GiB for a 15.7 GiB peak, and the defaults' step took 380 ms instead of 205
+# (benchmarks/RESULTS.md). Unsloth turns them on when it is imported; graphopt when it first compiles a graph for
+# CUDA (the setting applies to segments allocated from then on), unless the user configured them either way.
+_ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def prefer_expandable_segments() -> str:
+    """Turns the CUDA allocator's expandable segments on unless an allocator variable names them; the report's
+    note."""
+    for variable in _ALLOC_CONF_VARIABLES:
+        if "expandable_segments" in os.environ.get(variable, ""):
+            return f"CUDA allocator: as {variable}={os.environ[variable]} sets it"
+    if torch.version.hip:
+        return "CUDA allocator: torch's defaults (expandable segments are left off on ROCm)"
+    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setting("expandable_segments:True")
+    return ("CUDA allocator: expandable segments turned on by graphopt, so that batches of changing length reuse "
+            "memory; PYTORCH_ALLOC_CONF=expandable_segments:False keeps them off")
 
 
 def register() -> None:

@@ -35,6 +35,8 @@ class Lowering:
     # graphopt op → fn(dtypes of its inputs as it runs them, autocast applied) → the text when it is not the
     # usual implementation's (None when it is): the report names what actually runs
     variants: dict = field(default_factory=dict)
+    # run before a graph compiles for the target: sets up the device, returns a note for the report (or None)
+    prepare: object = None
 
 
 def lowering_for(target: str) -> Lowering:
@@ -44,6 +46,7 @@ def lowering_for(target: str) -> Lowering:
                                             "not yet measured on AMD GPUs")
         return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda",
+                        prepare=cuda.prefer_expandable_segments if target == "cuda" else None,
                         variants={torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
                                   torch.ops.graphopt.padded_attention.default: cuda.attention_variant,
                                   torch.ops.graphopt.packed_attention.default: cuda.attention_variant})
