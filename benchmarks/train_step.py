@@ -430,11 +430,20 @@ def run(args):
             for tensor in batch.values():
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
 
-    # Warm-up: compilation, autotuning and the optimizer's state allocation happen here, outside the timing.
+    # Warm-up: compilation, autotuning and the optimizer's state allocation happen here, outside the timing. On
+    # lengths that vary, the timed steps' longest and shortest batches run too: a graph compiled for a range of
+    # lengths (a guard such as "length ≤ 4096") is then compiled for every length the timed steps meet, once, as
+    # a long run pays it once; timed_compiles says whether any compile was left.
+    warmup_batches = batches[:args.warmup]
+    if args.data != "fixed":
+        timed = batches[args.warmup:]
+        warmup_batches += [max(timed, key=lambda b: b["input_ids"].numel()),
+                           min(timed, key=lambda b: b["input_ids"].numel())]
     first_loss = None
     warmup_peaks = []  # allocated, per warm-up step
+    graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     start = time.perf_counter()
-    for batch in batches[:args.warmup]:
+    for batch in warmup_batches:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         loss = train_step(forward, optimizer, batch, autocast)
@@ -445,6 +454,7 @@ def run(args):
             warmup_peaks.append(torch.cuda.max_memory_allocated(device))
     synchronize(device)
     warmup_s = time.perf_counter() - start
+    warmup_compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_at_start
     if args.variant == "graphopt":
         import graphopt
 
@@ -502,9 +512,10 @@ def run(args):
         "autocast": args.autocast,
         "device": device.type,
         "steps": args.steps,
-        "warmup": args.warmup,
+        "warmup": len(warmup_batches),
         "tokens_per_s": timed_tokens / seconds,
         "warmup_s": warmup_s,
+        "warmup_compiles": warmup_compiles,
         "timed_compiles": timed_compiles,
         "step_ms": 1000 * seconds / args.steps,
         "cuda_graphs": graphs,
@@ -626,7 +637,8 @@ def parse_args(argv):
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before, where compilation happens")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before, where compilation happens "
+                        "(with --data padded or packed, two more: the timed steps' longest and shortest batches)")
     parser.add_argument("--data", choices=("fixed", "padded", "packed"), default="fixed",
                         help="one fixed batch, or SFT documents of varying length padded per step or packed "
                              "(--seq is then unused: lengths come from SFT_LENGTHS)")
