@@ -303,7 +303,7 @@ def _heads_major(x):
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _padded_attends(keep):
+def padded_attends(keep):
     """[B, 1, L, L] bool: query i attends key j (causal, both kept)."""
     length = keep.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=keep.device).tril()
@@ -316,7 +316,7 @@ def document_starts(position_ids):
     return torch.cat([first, position_ids[:, 1:] != position_ids[:, :-1] + 1], dim=1)
 
 
-def _packed_attends(position_ids):
+def packed_attends(position_ids):
     """[B, 1, L, L] bool: query i attends key j (causal, one document)."""
     documents = document_starts(position_ids).cumsum(-1)
     length = position_ids.shape[1]
@@ -367,16 +367,16 @@ def _masked_attention_backward(grad_out, q, k, v, attends, scale):
 
 
 def padded_attention(q, k, v, keep, scale):
-    return _masked_attention(q, k, v, _padded_attends(keep), scale)
+    return _masked_attention(q, k, v, padded_attends(keep), scale)
 
 
 def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
-    return _masked_attention_backward(grad_out, q, k, v, _padded_attends(keep), scale)
+    return _masked_attention_backward(grad_out, q, k, v, padded_attends(keep), scale)
 
 
 def packed_attention(q, k, v, position_ids, scale):
-    return _masked_attention(q, k, v, _packed_attends(position_ids), scale)
+    return _masked_attention(q, k, v, packed_attends(position_ids), scale)
 
 
 def packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale):
-    return _masked_attention_backward(grad_out, q, k, v, _packed_attends(position_ids), scale)
+    return _masked_attention_backward(grad_out, q, k, v, packed_attends(position_ids), scale)

@@ -5,7 +5,7 @@ linear_logprobs stay opaque (below)."""
 import torch
 
 from graphopt.lowering import ops  # noqa: F401  (defines torch.ops.graphopt.*)
-from graphopt.kernels import reference
+from graphopt.kernels import masked_attention_cpu, reference
 
 # lora_linear stays one opaque op: decomposed, Inductor's partitioner chose to save the adapter-dtype (fp32)
 # copy of x again, the memory the op exists to avoid; opaque, the backward saves x in its own dtype.
@@ -20,7 +20,7 @@ LINEAR_LOGPROBS_OPAQUE = ("kernels/reference.py, one chunk of rows at a time: lm
 LINEAR_LOGPROBS_BACKWARD_OPAQUE = ("kernels/reference.py, one chunk of rows at a time: the logits recomputed, their "
                                    "gradient, dX and dW accumulated in fp32")
 
-DECOMPOSITIONS = {
+_REFERENCES = {
     torch.ops.graphopt.rms_norm.default: reference.rms_norm,
     torch.ops.graphopt.rms_norm_backward.default: reference.rms_norm_backward,
     torch.ops.graphopt.gated_activation.default: reference.gated_activation,
@@ -28,13 +28,20 @@ DECOMPOSITIONS = {
     torch.ops.graphopt.rope.default: reference.rope,
     torch.ops.graphopt.rope_backward.default: reference.rope_backward,
     torch.ops.graphopt.linear_cross_entropy_backward.default: reference.linear_cross_entropy_backward,
-    torch.ops.graphopt.padded_attention.default: reference.padded_attention,
-    torch.ops.graphopt.padded_attention_backward.default: reference.padded_attention_backward,
-    torch.ops.graphopt.packed_attention.default: reference.packed_attention,
-    torch.ops.graphopt.packed_attention_backward.default: reference.packed_attention_backward,
+}
+# The masked attention ops decompose into aten's CPU flash-attention kernels, not into the reference's materialized
+# fp32 scores (kernels/masked_attention_cpu.py).
+ATTENTION = {
+    torch.ops.graphopt.padded_attention.default: masked_attention_cpu.padded_attention,
+    torch.ops.graphopt.padded_attention_backward.default: masked_attention_cpu.padded_attention_backward,
+    torch.ops.graphopt.packed_attention.default: masked_attention_cpu.packed_attention,
+    torch.ops.graphopt.packed_attention_backward.default: masked_attention_cpu.packed_attention_backward,
 }
 _DECOMPOSED = "aten decomposition of kernels/reference.py, compiled by Inductor (C++)"
-IMPLEMENTATIONS = {op: _DECOMPOSED for op in DECOMPOSITIONS} | {
+_FLASH = ("aten's CPU flash-attention kernel with the mask (kernels/masked_attention_cpu.py), in the graph Inductor "
+          "compiles")
+DECOMPOSITIONS = _REFERENCES | ATTENTION
+IMPLEMENTATIONS = {op: _DECOMPOSED for op in _REFERENCES} | {op: _FLASH for op in ATTENTION} | {
     op: LORA_OPAQUE for op in (torch.ops.graphopt.lora_linear.default, torch.ops.graphopt.lora_linear_backward.default)
 } | {torch.ops.graphopt.linear_cross_entropy.default: LINEAR_CE_OPAQUE,
      torch.ops.graphopt.linear_logprobs.default: LINEAR_LOGPROBS_OPAQUE,
