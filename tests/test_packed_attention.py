@@ -53,6 +53,15 @@ def position_mask(q, position_ids):  # transformers 5.24: causal over the positi
     return (causal & (doc[b, q_idx] == doc[b, kv_idx])).expand(batch, -1, length, length)
 
 
+def index_mask_methods(q, position_ids):  # the same, recorded as Dynamo records it in 5.17: call_method __eq__
+    batch, length = position_ids.shape
+    doc = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1).__ne__(1).cumsum(-1)
+    b = torch.arange(batch)[:, None, None, None]
+    q_idx = (torch.arange(length) + 0)[None, None, :, None]
+    kv_idx = (torch.arange(length) + 0)[None, None, None, :]
+    return kv_idx.__le__(q_idx).__and__(doc[b, q_idx].__eq__(doc[b, kv_idx])).expand(batch, -1, length, length)
+
+
 def exact(q, k, v, position_ids, scale):
     """fp64 SDPA with HF's mask."""
     groups = q.shape[1] // k.shape[1]
@@ -140,7 +149,7 @@ def hf_packed(mask_of):
     return attention
 
 
-@pytest.mark.parametrize("mask_of", [index_mask, position_mask])
+@pytest.mark.parametrize("mask_of", [index_mask, index_mask_methods, position_mask])
 def test_both_forms_of_hf_packed_mask_become_packed_attention(mask_of):
     q, k, v = qkv(2, 8, 2, 16, 8, torch.float32)
     position_ids = positions_of([[5, 7, 4], [16]])
