@@ -120,3 +120,16 @@ def test_sft_batches_padded_and_packed_hold_the_same_documents():
     lengths = train_step.document_lengths(20000, torch.Generator().manual_seed(0))
     assert min(lengths) == 64 and max(lengths) == 4096
     assert 480 <= sorted(lengths)[10000] <= 545  # the median, 512
+
+
+def test_varying_lengths_warm_up_on_the_longest_and_shortest_batch(tmp_path):
+    """On SFT data the warm-up adds the timed steps' longest and shortest batches, and the result counts the graphs
+    compiled in each phase; packed batches train without a KV cache (HF keeps documents apart only then)."""
+    assert train_step.llama_config("tiny", "packed").use_cache is False
+    assert train_step.llama_config("tiny", "padded").use_cache is True
+    path = tmp_path / "r.jsonl"
+    train_step.main(["--variant", "eager", "--shape", "tiny", "--device", "cpu", "--dtype", "fp32", "--data", "packed",
+                     "--steps", "2", "--warmup", "1", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert result["warmup"] == 3 and result["steps"] == 2
+    assert result["warmup_compiles"] == 0 and result["timed_compiles"] == 0
