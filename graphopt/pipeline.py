@@ -63,8 +63,9 @@ def compile_graph(gm, example_inputs, options: Options):
     # 4–6. autograd → partition → lower. The target's lowering says how each graphopt op will run.
     lowering = lowering_registry.lowering_for(report.target)
     check_cuda_graphs(options, report.target)
-    if lowering.prepare:
-        report.notes.append(lowering.prepare())
+    note = lowering.prepare() if lowering.prepare else None
+    if note:
+        report.notes.append(note)
     lowering_registry.record(gm, lowering, report)
     dynamic = _has_dynamic_shapes(gm, example_inputs)
     if dynamic:

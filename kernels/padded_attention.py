@@ -15,11 +15,21 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
+def unsupported(dtypes, head_dims, capability):
+    """Why the kernels cannot take q, k, v of these dtypes and head dims on a GPU of this compute capability (None
+    when they can; capability None: not checked)."""
+    if dtypes[0] not in FLASH_DTYPES or len(set(dtypes)) > 1:
+        return f"{', '.join(str(d).removeprefix('torch.') for d in dtypes)}: the flash kernels take 16-bit inputs"
+    if head_dims[0] > MAX_HEAD_DIM or head_dims[0] % 8 or len(set(head_dims)) > 1:
+        return f"head dim {head_dims[0]}: the flash kernels take up to {MAX_HEAD_DIM}, a multiple of 8"
+    if capability is not None and capability < (8, 0):
+        return f"compute capability {capability[0]}.{capability[1]}: the flash kernels need 8.0"
+    return None
+
+
 def supported(q, k, v) -> bool:
-    head_dim = q.shape[-1]
-    return (q.is_cuda and q.dtype in FLASH_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
-            and head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0 and v.shape[-1] == head_dim
-            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+    return q.is_cuda and unsupported((q.dtype, k.dtype, v.dtype), (q.shape[-1], k.shape[-1], v.shape[-1]),
+                                     torch.cuda.get_device_capability(q.device)) is None
 
 
 def _sequences(keep):

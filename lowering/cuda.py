@@ -57,26 +57,26 @@ LORA_IN_ONE_DTYPE = ("cuBLAS matmuls of kernels/reference.py, all in {dtype} (ad
                      "by autocast; the Triton kernels take fp32 adapters)")
 
 
-ATTENTION_REFERENCE = ("kernels/reference.py in fp32 math, the [L × L] scores materialized ({dtype}: the flash kernels "
-                       "take 16-bit inputs)")
+ATTENTION_REFERENCE = "kernels/reference.py in fp32 math, the [L × L] scores materialized ({why})"
 
 
 def attention_variant(q, k, v, tokens):
-    """padded_attention's and packed_attention's text in the report when the flash kernels cannot take the inputs'
-    dtype (None when they can)."""
-    if q in padded_attention.FLASH_DTYPES and k == q and v == q:
-        return None
-    return ATTENTION_REFERENCE.format(dtype=str(q).removeprefix("torch."))
+    """padded_attention's and packed_attention's text in the report when the flash kernels cannot take the inputs
+    (None when they can)."""
+    capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    why = padded_attention.unsupported((q.dtype, k.dtype, v.dtype), (q.shape[-1], k.shape[-1], v.shape[-1]),
+                                       capability)
+    return ATTENTION_REFERENCE.format(why=why) if why else None
 
 
 def lora_variant(x, weight, bias, lora_a, lora_b, dropout_mask=None):
-    """The report's text for a LoRA layer whose inputs have these dtypes (after autocast), when it is not the
-    kernels' (None when it is)."""
+    """The report's text for a LoRA layer whose inputs run as these (after autocast), when it is not the kernels'
+    (None when it is)."""
     if dropout_mask is not None:
         return LORA_DROPOUT
-    if lora.supported_dtypes(x, weight, lora_a):
+    if lora.supported_dtypes(x.dtype, weight.dtype, lora_a.dtype):
         return None
-    return LORA_IN_ONE_DTYPE.format(dtype=str(lora_a).removeprefix("torch."))
+    return LORA_IN_ONE_DTYPE.format(dtype=str(lora_a.dtype).removeprefix("torch."))
 
 
 # In compiled graphs these are decomposed below autograd: Inductor then fuses them with their neighbours (the
@@ -203,9 +203,11 @@ def _lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_
 _ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
-def prefer_expandable_segments() -> str:
+def prefer_expandable_segments():
     """Turns the CUDA allocator's expandable segments on unless an allocator variable names them; the report's
-    note."""
+    note (None without a CUDA device, as when the target is forced on another machine)."""
+    if not torch.cuda.is_available():
+        return None
     for variable in _ALLOC_CONF_VARIABLES:
         if "expandable_segments" in os.environ.get(variable, ""):
             return f"CUDA allocator: as {variable}={os.environ[variable]} sets it"

@@ -32,7 +32,7 @@ class Lowering:
     offload_copies: bool = True
     # cuda_graphs="auto" may replay the graphs as CUDA graphs: measured faster on NVIDIA only (the H200)
     cuda_graphs: bool = False
-    # graphopt op → fn(dtypes of its inputs as it runs them, autocast applied) → the text when it is not the
+    # graphopt op → fn(its tensor inputs as it runs them, autocast applied: Running) → the text when it is not the
     # usual implementation's (None when it is): the report names what actually runs
     variants: dict = field(default_factory=dict)
     # run before a graph compiles for the target: sets up the device, returns a note for the report (or None)
@@ -77,7 +77,7 @@ def record(gm: torch.fx.GraphModule, lowering: Lowering, report) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ops.BACKWARD_OF:
             variant = lowering.variants.get(node.target)
-            text = variant(*_running_dtypes(node, regions[node])) if variant else None
+            text = variant(*_running_inputs(node, regions[node])) if variant else None
             key = (node.target, text or lowering.implementations[node.target])
             counts[key] = counts.get(key, 0) + 1
     for (forward, implementation), count in counts.items():
@@ -89,15 +89,24 @@ def record(gm: torch.fx.GraphModule, lowering: Lowering, report) -> None:
                                               "in the backward graph, when gradients are needed"))
 
 
-def _running_dtypes(node, autocast: dict) -> list:
-    """The dtypes of a graphopt op's tensor inputs as it runs them: cast by its autocast rule inside a region."""
+@dataclass(frozen=True)
+class Running:
+    """A tensor input of a graphopt op as the op runs it: its dtype after autocast, its shape and device."""
+    dtype: torch.dtype
+    shape: tuple
+    device: torch.device
+
+
+def _running_inputs(node, autocast: dict) -> list:
+    """A graphopt op's tensor inputs (None where an optional one is absent), their dtypes cast by the op's autocast
+    rule inside a region."""
     casts = ops.AUTOCAST_CASTS.get(node.target.name().split("::")[-1], ())
-    dtypes = []
+    inputs = []
     for i, arg in enumerate(node.args):
         v = value(arg)
         if isinstance(v, torch.Tensor):
             cast = autocast_dtype(autocast, v.device.type) if i in casts and v.dtype != torch.float64 else None
-            dtypes.append(cast or v.dtype)
+            inputs.append(Running(cast or v.dtype, tuple(v.shape), v.device))
         elif arg is None:
-            dtypes.append(None)
-    return dtypes
+            inputs.append(None)
+    return inputs

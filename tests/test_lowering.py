@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import graphopt
@@ -74,3 +75,22 @@ def test_demo_runs_and_prints_the_report():
     assert "step   2  loss" in result.stdout
     assert "fusions (46): rms_norm ×9, rope ×4, swiglu ×4, lora ×28, linear_cross_entropy ×1" in result.stdout
     assert "misses (0)" in result.stdout
+
+
+def test_cuda_report_names_the_fallback_the_inputs_take():
+    """The CUDA lowering's report lines follow the inputs as the ops run them: the flash kernels' dtypes and head
+    dims, the LoRA kernels' adapter dtypes."""
+    cuda = pytest.importorskip("graphopt.lowering.cuda")
+    cpu, bf16, fp32 = torch.device("cpu"), torch.bfloat16, torch.float32
+
+    def heads(dtype, dim):
+        return registry.Running(dtype, (2, 8, 16, dim), cpu)
+
+    assert cuda.attention_variant(heads(bf16, 64), heads(bf16, 64), heads(bf16, 64), None) is None
+    assert "16-bit" in cuda.attention_variant(heads(fp32, 64), heads(fp32, 64), heads(fp32, 64), None)
+    assert "head dim 320" in cuda.attention_variant(heads(bf16, 320), heads(bf16, 320), heads(bf16, 320), None)
+    x, weight = registry.Running(bf16, (4, 64), cpu), registry.Running(bf16, (32, 64), cpu)
+    adapter = registry.Running(fp32, (8, 64), cpu)
+    assert cuda.lora_variant(x, weight, None, adapter, adapter) is None
+    same = registry.Running(bf16, (8, 64), cpu)
+    assert "all in bfloat16" in cuda.lora_variant(x, weight, None, same, same)
