@@ -49,14 +49,11 @@ from torch.fx.experimental.symbolic_shapes import free_symbols, statically_known
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, sdpa_arguments, value
+from graphopt.passes.rewrite import Miss, erase_unused
 from graphopt.report import record_for
 
 _RESHAPES = ("reshape", "view")
 _CPU = torch.device("cpu")
-
-
-class Miss(Exception):
-    """The rewrite cannot be proven to compute the same attention; the message says why."""
 
 
 def _ancestors(node: Node) -> list:
@@ -389,18 +386,6 @@ def _gqa(args: dict):
     return unrepeated
 
 
-def _erase_unused(nodes) -> None:
-    """Erase the given nodes, and then their inputs, as long as nothing reads them any more."""
-    erased, stack = set(), list(nodes)
-    while stack:
-        node = stack.pop()
-        if node in erased or node.users or node.op not in ("call_function", "call_method"):
-            continue
-        stack.extend(node.all_input_nodes)
-        node.graph.erase_node(node)
-        erased.add(node)
-
-
 def rewrite_attention(gm: GraphModule, report) -> int:
     """Rewrite each SDPA call's mask and repeated k/v as above; record each rewrite and each miss."""
     rewritten = 0
@@ -448,7 +433,7 @@ def rewrite_attention(gm: GraphModule, report) -> int:
         if dropped:
             sdpa.args = (args.pop("query"), args.pop("key"), args.pop("value"))
             sdpa.kwargs = args
-            _erase_unused(dropped)
+            erase_unused(dropped, inputs=True)
     gm.recompile()
     return rewritten
 
@@ -480,9 +465,7 @@ def _masked_attention(sdpa: Node, args: dict, kind: str, per_token: Node, tokens
     fused.meta = dict(sdpa.meta, example_value=outputs)
     out.meta = dict(sdpa.meta, example_value=outputs[0])
     sdpa.replace_all_uses_with(out)
-    old = [args.get("attn_mask"), args["key"], args["value"]]
-    graph.erase_node(sdpa)
-    _erase_unused(old)
+    erase_unused([sdpa, args.get("attn_mask"), args["key"], args["value"]], inputs=True)
 
 
 def _on_device(per_token: Node, as_keep: bool, device, tokens: dict) -> Node:

@@ -21,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt.passes.match import (FUSABLE_DTYPES, autocast_dtype, autocast_regions, is_call, is_cast, is_scalar,
                                    is_tensor, value)
+from graphopt.passes.rewrite import Miss, erase_unused
 from graphopt.report import record_for
 
 PATTERN = "linear_cross_entropy"
@@ -30,10 +31,6 @@ _CROSS_ENTROPY = inspect.signature(F.cross_entropy)
 LOGITS_CHUNK_BYTES = 256 * 2**20
 # Marks a logits node whose loss was fused with gradients (training): passes/drop_logits.py may drop it.
 FUSED_LOSS_TAG = "graphopt_fused_loss_logits"
-
-
-class Miss(Exception):
-    """The candidate is not a loss the fused op computes exactly; the message says why."""
 
 
 def logits_producer(logits: Node):
@@ -135,10 +132,8 @@ def fuse_linear_ce(gm: GraphModule, report) -> int:
             loss = gm.graph.call_function(operator.getitem, (op, 0))
         loss.meta = dict(ce.meta)
         ce.replace_all_uses_with(loss)
-        gm.graph.erase_node(ce)
-        for node in m["dead"]:  # the flattening, the upcast, and the logits themselves when nothing else reads them
-            if not node.users:
-                gm.graph.erase_node(node)
+        # the flattening, the upcast, and the logits themselves when nothing else reads them
+        erase_unused([ce, *m["dead"]])
         if training and m["logits"].users:  # still alive: a graph output
             m["logits"].meta[FUSED_LOSS_TAG] = True
         report.fusions.append(record)

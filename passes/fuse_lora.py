@@ -31,6 +31,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, value
+from graphopt.passes.rewrite import Miss, replace
 from graphopt.report import module_classes, module_path, record_for
 
 PATTERN = "lora"
@@ -42,10 +43,6 @@ DORA_REASON = ("DoRA (use_dora=True) is computed unfused: graphopt::lora_linear 
 DORA_APART = ("; Dynamo compiled PEFT's DoRA forward as a graph of its own (a graph break inside PEFT), which does "
               "not name the layer and is reused for other DoRA layers: this record stands for every DoRA layer "
               "this graph runs")
-
-
-class Miss(Exception):
-    """The candidate is not a LoRA linear the fused op computes exactly; the message says why."""
 
 
 def _linear_args(node: Node):
@@ -183,11 +180,7 @@ def fuse_lora(gm: GraphModule, report) -> int:
             continue
         with gm.graph.inserting_before(end):
             dropout = (_keep_mask(gm, args[0], value(args[3]).dtype, dropout_p), dropout_p) if dropout_p else ()
-            op = gm.graph.call_function(torch.ops.graphopt.lora_linear.default, (*args, value(end).dtype, *dropout))
-        op.meta = dict(end.meta)
-        end.replace_all_uses_with(op)
-        for n in dict.fromkeys(nodes):  # in order, each once: users before what they use
-            gm.graph.erase_node(n)
+        op = replace(end, torch.ops.graphopt.lora_linear.default, (*args, value(end).dtype, *dropout), dead=nodes)
         report.fusions.append(record_for(op, PATTERN))
         fused += 1
     gm.recompile()

@@ -13,6 +13,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import guard_float, statically_known_true
 
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, same_shape, value
+from graphopt.passes.rewrite import Miss, replace
 from graphopt.report import module_class, module_path, record_for
 
 PATTERN = "rms_norm"
@@ -22,10 +23,6 @@ _FUNCTIONAL = (torch.nn.functional.rms_norm, torch.rms_norm)
 _DYNAMIC_EPS = ("epsilon arrives as a runtime tensor: Dynamo made it dynamic because it changed between two "
                 "compilations of the same code; call torch._dynamo.reset() between models, or set "
                 "torch._dynamo.config.specialize_float = True")
-
-
-class Miss(Exception):
-    """The candidate is not an RMSNorm the fused op computes exactly; the message says why."""
 
 
 def _other_operand(mul: Node, operand: Node):
@@ -162,24 +159,14 @@ def fuse_rmsnorm(gm: GraphModule, report) -> int:
             report.misses.append(record_for(anchor, PATTERN, str(miss)))
             missed_modules.add(module_path(anchor))
             continue
-        out_dtype = value(end).dtype
-        with gm.graph.inserting_before(end):
-            op = gm.graph.call_function(torch.ops.graphopt.rms_norm.default, (x, weight, eps, offset, out_dtype))
-        op.meta = dict(end.meta)
-        end.replace_all_uses_with(op)
-        for n in sorted(nodes, key=_position(gm), reverse=True):
-            gm.graph.erase_node(n)
+        op = replace(end, torch.ops.graphopt.rms_norm.default, (x, weight, eps, offset, value(end).dtype),
+                     dead=nodes)
         report.fusions.append(record_for(op, PATTERN))
         fused_modules.add(module_path(op))
         fused += 1
     _record_unrecognised_modules(gm, report, fused_modules | missed_modules)
     gm.recompile()
     return fused
-
-
-def _position(gm):
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return order.__getitem__
 
 
 def _record_unrecognised_modules(gm, report, seen):

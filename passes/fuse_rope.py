@@ -19,13 +19,10 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, only_user, same_shape, value
+from graphopt.passes.rewrite import Miss, erase_unused
 from graphopt.report import module_path, record_for
 
 PATTERN = "rope"
-
-
-class Miss(Exception):
-    """The candidate is not a rotation the fused op computes exactly; the message says why."""
 
 
 def _last_dim_slice(node):
@@ -219,12 +216,8 @@ def fuse_rope(gm: GraphModule, report) -> int:
         for r, out in zip((q, k), outputs):
             out.meta = dict(r.end.meta, example_value=_contiguous(value(r.end)))
             r.end.replace_all_uses_with(out)
-        order = _position(gm.graph)
-        for n in sorted(q.nodes + k.nodes, key=order, reverse=True):
-            gm.graph.erase_node(n)
-        for n in set(q.unsqueezed + k.unsqueezed):  # HF unsqueezes cos/sin once per layer, for q and k
-            if not n.users:
-                gm.graph.erase_node(n)
+        # with HF's unsqueezes of cos/sin, once per layer for q and k
+        erase_unused([*q.nodes, *k.nodes, *q.unsqueezed, *k.unsqueezed])
         report.fusions.append(record_for(outputs[0], PATTERN))
         fused += 1
     gm.recompile()

@@ -11,13 +11,10 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, same_shape, value
+from graphopt.passes.rewrite import Miss, replace
 from graphopt.report import record_for
 
 PATTERNS = {"silu": "swiglu", "gelu_tanh": "geglu"}
-
-
-class Miss(Exception):
-    """The candidate is not a gated activation the fused op computes exactly; the message says why."""
 
 
 def _activation(node: Node) -> str:
@@ -62,12 +59,7 @@ def fuse_swiglu(gm: GraphModule, report) -> int:
         except Miss as miss:
             report.misses.append(record_for(act, "swiglu" if is_call(act, F.silu) else "geglu", str(miss)))
             continue
-        with gm.graph.inserting_before(mul):
-            op = gm.graph.call_function(torch.ops.graphopt.gated_activation.default, (gate, up, activation))
-        op.meta = dict(mul.meta)
-        mul.replace_all_uses_with(op)
-        gm.graph.erase_node(mul)
-        gm.graph.erase_node(act)
+        op = replace(mul, torch.ops.graphopt.gated_activation.default, (gate, up, activation), dead=[act])
         report.fusions.append(record_for(op, PATTERNS[activation]))
         fused += 1
     gm.recompile()

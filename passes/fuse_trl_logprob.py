@@ -45,6 +45,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from graphopt.passes.fuse_linear_ce import LOGITS_CHUNK_BYTES
 from graphopt.passes.match import FUSABLE_DTYPES, autocast_dtype, autocast_regions, is_scalar, value
+from graphopt.passes.rewrite import Miss, replace
 from graphopt.report import record_for, source_location
 
 PATTERN = "trl_logprobs"
@@ -56,10 +57,6 @@ _PARAMETERS = ("ctx", "hidden", "weight", "bias", "targets", "temperature", "chu
                "logit_scale", "outputs")
 # the Function's outputs, by position; the op returns them at the same positions (then log_z)
 _OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-
-
-class Miss(Exception):
-    """The candidate is not a head the fused op computes exactly; the message says why."""
 
 
 def _trl_version() -> str:
@@ -216,11 +213,9 @@ def fuse_trl_logprob(gm: GraphModule, report) -> int:
         chunk_rows = max(1, LOGITS_CHUNK_BYTES // (m["vocab"] * 4))
         op_args = (a["hidden"], a["weight"], a["bias"], a["targets"], float(a["temperature"]), m["softcap"],
                    float(a["logit_scale"]), m["compute_dtype"], *m["asked"][1:], chunk_rows)
-        with gm.graph.inserting_before(node):
-            op = gm.graph.call_function(torch.ops.graphopt.linear_logprobs.default, op_args)
-        op.meta = {k: v for k, v in node.meta.items() if k not in ("example_value", "val")}  # TRL's 5-tuple
-        node.replace_all_uses_with(op)  # the getitems read the same positions
-        gm.graph.erase_node(node)
+        # the getitems read the same positions; TRL's 5-tuple is not the op's value
+        op = replace(node, torch.ops.graphopt.linear_logprobs.default, op_args,
+                     meta={k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
         rows = value(a["hidden"]).shape[0]
         report.fusions.append(dataclasses.replace(  # typed as the logits it never materializes
             record_for(op, PATTERN), dtype=str(m["compute_dtype"]).removeprefix("torch."),
