@@ -48,7 +48,7 @@ from torch.fx.node import map_arg
 from torch.fx.experimental.symbolic_shapes import free_symbols, statically_known_true
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, sdpa_arguments, value
+from graphopt.passes.match import FUSABLE_DTYPES, input_name, is_call, is_tensor, sdpa_arguments, value
 from graphopt.passes.rewrite import Miss, erase_unused
 from graphopt.report import record_for
 
@@ -77,7 +77,7 @@ def _evaluate(mask: Node) -> torch.Tensor:
     nodes = _ancestors(mask)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if inputs:
-        raise Miss(f"the mask reads graph input {inputs[0].name} in a form graphopt does not read (a packed batch's "
+        raise Miss(f"the mask reads graph input {input_name(inputs[0])} in a form graphopt does not read (a packed batch's "
                    f"per-document mask from position_ids, or padding beside another condition): not provably causal")
     if free_symbols(value(mask)):
         raise Miss("the mask's sizes are symbolic (dynamic shapes): causal at the traced length does not prove "
@@ -206,7 +206,7 @@ def _read_node(node: Node, read: dict):
         v = value(node)
         if isinstance(v, torch.Tensor):
             if v.dim() != 2:
-                raise Miss(f"the mask reads graph input {node.name}, not a 2-D attention_mask or position_ids")
+                raise Miss(f"the mask reads graph input {input_name(node)}, not a 2-D attention_mask or position_ids")
             return _PerToken(node, as_bool=v.dtype == torch.bool)
         return v  # a size
     if node.op == "call_method" and target in ("to", "bool"):
@@ -450,7 +450,7 @@ def _masked_attention(sdpa: Node, args: dict, kind: str, per_token: Node, tokens
     if q.dim() != 4 or q.dtype not in FUSABLE_DTYPES:
         raise Miss(f"query {q.dtype} of {q.dim()} dimensions: the op takes [batch, heads, length, dim] floats")
     if not statically_known_true(value(per_token).shape[0] == q.shape[0]):
-        raise Miss(f"{per_token.name} has {value(per_token).shape[0]} rows for a batch of {q.shape[0]}")
+        raise Miss(f"{input_name(per_token)} has {value(per_token).shape[0]} rows for a batch of {q.shape[0]}")
     key, val = _unrepeated(args) or (key, val)
     scale = args.get("scale")
     if scale is None:

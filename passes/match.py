@@ -1,5 +1,7 @@
 """What every pass asks of an FX node: its traced value, what it calls, who uses it. No rewriting here."""
 
+import re
+
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -75,3 +77,8 @@ def sdpa_arguments(sdpa: Node) -> dict:
     named = dict(zip(_SDPA_ARGS, sdpa.args))
     named.update(sdpa.kwargs)
     return named
+
+
+def input_name(node: Node) -> str:
+    """A graph input by the name the user passed it under: Dynamo calls `position_ids=` l_kwargs_position_ids_."""
+    return re.sub(r"^l_(kwargs_)?|_$", "", node.name)
