@@ -50,7 +50,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphopt.passes.match import FUSABLE_DTYPES, input_name, is_call, is_tensor, sdpa_arguments, value
 from graphopt.passes.rewrite import Miss, erase_unused
-from graphopt.report import record_for
+from graphopt.passes.describe import record_for
 
 _RESHAPES = ("reshape", "view")
 _CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ from torch.fx.experimental.symbolic_shapes import guard_float, statically_known_
 
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, same_shape, value
 from graphopt.passes.rewrite import Miss, replace
-from graphopt.report import module_class, module_path, record_for
+from graphopt.passes.describe import module_class, module_path, record_for
 
 PATTERN = "rms_norm"
 _FUNCTIONAL = (torch.nn.functional.rms_norm, torch.rms_norm)

@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, only_user, same_shape, value
 from graphopt.passes.rewrite import Miss, erase_unused
-from graphopt.report import module_path, record_for
+from graphopt.passes.describe import module_path, record_for
 
 PATTERN = "rope"
 

@@ -12,7 +12,7 @@ from torch.fx import GraphModule, Node
 
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, same_shape, value
 from graphopt.passes.rewrite import Miss, replace
-from graphopt.report import record_for
+from graphopt.passes.describe import record_for
 
 PATTERNS = {"silu": "swiglu", "gelu_tanh": "geglu"}
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphopt.report import bytes_written, plain, size_hint
+from graphopt.passes.describe import bytes_written, plain, size_hint
 
 
 @dataclass

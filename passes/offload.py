@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._subclasses.fake_tensor import extract_tensor_metadata
 
-from graphopt.report import bytes_written, layer_of, plain, size_hint
+from graphopt.passes.describe import bytes_written, layer_of, plain, size_hint
 
 SMALL_FRACTION = 1 / 64
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import graphopt
 from graphopt.passes import recompute
 from graphopt.passes.fuse_lora import DORA_REASON, fuse_lora
-from graphopt.report import module_path
+from graphopt.passes.describe import module_path
 from graphs import count_calls, first_output, relative_error, run_pass
 from models import ARCHITECTURES, COMMON, adapted_layers, tiny_lora_model
 from test_end_to_end import compile_and_compare

@@ -7,10 +7,9 @@ import pytest
 
 import graphopt
 from graphopt import report as report_mod
-from graphopt.report import (
-    SCHEMA_VERSION, LoweringRecord, Record, Report, module_class, module_path, publish, render, source_location,
-    tensor_type,
-)
+from graphopt.passes import describe
+from graphopt.passes.describe import module_class, module_path, source_location, tensor_type
+from graphopt.report import SCHEMA_VERSION, LoweringRecord, Record, Report, publish, render
 
 LAYER0 = "base_model.model.model.layers.0.input_layernorm"
 TRICKY = "model.layers.1.<post_attention>&\"norm\""
@@ -280,6 +279,6 @@ def test_tensor_type():
 def test_record_for():
     import torch
     node = fake_node("L['self'].model.norm", stack_trace=SITE_TRACE, value=torch.empty(4, 8))
-    rec = report_mod.record_for(node, "rms_norm", reason="because")
+    rec = describe.record_for(node, "rms_norm", reason="because")
     assert rec == Record("rms_norm", "model.norm", "transformers/models/llama/modeling_llama.py:71", "float32",
                          [4, 8], "because")
