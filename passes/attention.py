@@ -33,8 +33,8 @@ and two more where the mask is causal over a padded or a packed batch:
 
 Masks are read symbolically first (_read_mask): HF builds them from index aranges broadcast over [batch, head,
 q, kv] and conjunctions of conditions on them, and a mask read as exactly "kv ≤ q" (and "attention_mask[b, kv]",
-or "one document") is that at every size, symbolic ones included. A mask that reading does not cover falls back to the evaluation
-below, at static sizes only.
+or "one document") is that at every size, symbolic ones included. A mask that reading does not cover falls back
+to the evaluation below, at static sizes only.
 """
 
 import math
@@ -48,9 +48,9 @@ from torch.fx.node import map_arg
 from torch.fx.experimental.symbolic_shapes import free_symbols, statically_known_true
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from graphopt.passes.describe import record_for
 from graphopt.passes.match import FUSABLE_DTYPES, input_name, is_call, is_tensor, sdpa_arguments, value
 from graphopt.passes.rewrite import Miss, erase_unused
-from graphopt.passes.describe import record_for
 
 _RESHAPES = ("reshape", "view")
 _CPU = torch.device("cpu")
@@ -77,8 +77,8 @@ def _evaluate(mask: Node) -> torch.Tensor:
     nodes = _ancestors(mask)
     inputs = [n for n in nodes if n.op == "placeholder"]
     if inputs:
-        raise Miss(f"the mask reads graph input {input_name(inputs[0])} in a form graphopt does not read (a packed batch's "
-                   f"per-document mask from position_ids, or padding beside another condition): not provably causal")
+        raise Miss(f"the mask reads graph input {input_name(inputs[0])} in a form graphopt does not read (padding "
+                   f"beside another condition, or documents numbered another way): not provably causal")
     if free_symbols(value(mask)):
         raise Miss("the mask's sizes are symbolic (dynamic shapes): causal at the traced length does not prove "
                    "causal at every length")

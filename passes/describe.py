@@ -52,6 +52,12 @@ def source_location(node: torch.fx.Node) -> str:
     return f"{_SITE.sub('', file)}:{line}"
 
 
+def operation(node: torch.fx.Node) -> str:
+    """A node as a person finds it in their code: what it calls and the source line (not the graph's names)."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return f"{name} at {source_location(node)}"
+
+
 def tensor_type(node: torch.fx.Node):
     """(dtype name, shape as a list of ints or symbol names) from the node's traced value."""
     value = node.meta.get("example_value", node.meta.get("val"))

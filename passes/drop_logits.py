@@ -11,9 +11,9 @@ import operator
 
 from torch.fx import GraphModule
 
+from graphopt.passes.describe import module_path
 from graphopt.passes.fuse_linear_ce import FUSED_LOSS_TAG, PATTERN, logits_producer
 from graphopt.passes.match import value
-from graphopt.passes.describe import module_path
 
 
 def drop_logits(gm: GraphModule, report) -> list:

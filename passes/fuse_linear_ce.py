@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from graphopt.passes.describe import record_for
 from graphopt.passes.match import (FUSABLE_DTYPES, autocast_dtype, autocast_regions, is_call, is_cast, is_scalar,
                                    is_tensor, value)
 from graphopt.passes.rewrite import Miss, erase_unused
-from graphopt.passes.describe import record_for
 
 PATTERN = "linear_cross_entropy"
 _LINEAR = (torch._C._nn.linear, F.linear)

@@ -30,9 +30,9 @@ import re
 import torch
 from torch.fx import GraphModule, Node
 
+from graphopt.passes.describe import module_classes, module_path, record_for
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, value
 from graphopt.passes.rewrite import Miss, replace
-from graphopt.passes.describe import module_classes, module_path, record_for
 
 PATTERN = "lora"
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)

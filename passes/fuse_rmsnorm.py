@@ -12,9 +12,9 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import guard_float, statically_known_true
 
-from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, same_shape, value
-from graphopt.passes.rewrite import Miss, replace
 from graphopt.passes.describe import module_class, module_path, record_for
+from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, same_shape, value
+from graphopt.passes.rewrite import Miss, check_only_inside, replace
 
 PATTERN = "rms_norm"
 _FUNCTIONAL = (torch.nn.functional.rms_norm, torch.rms_norm)
@@ -78,11 +78,7 @@ def _match_core(rsqrt: Node):
     normed = normed[0]
     x = xf.args[0] if is_cast(xf) else xf
     nodes = [square, variance, add, rsqrt, normed] + ([xf] if xf is not x else [])
-    inside = set(nodes)
-    for n in nodes:
-        outside = [u.name for u in n.users if u not in inside and n is not normed]
-        if outside:
-            raise Miss(f"intermediate `{n.name}` is also used outside the norm ({', '.join(outside)})")
+    check_only_inside(nodes, normed, "norm")
     return x, eps, normed, nodes
 
 

@@ -18,9 +18,9 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from graphopt.passes.describe import module_path, operation, record_for
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, only_user, same_shape, value
-from graphopt.passes.rewrite import Miss, erase_unused
-from graphopt.passes.describe import module_path, record_for
+from graphopt.passes.rewrite import Miss, check_only_inside, erase_unused
 
 PATTERN = "rope"
 
@@ -79,8 +79,8 @@ def _unsqueezed(node):
 def _single_user(node: Node):
     """The one user of an intermediate of the rotation (None if it has none); Miss if others read it too."""
     if len(node.users) > 1:
-        raise Miss(f"intermediate `{node.name}` is also used outside the rotation "
-                   f"({', '.join(u.name for u in node.users)})")
+        raise Miss(f"an intermediate of the rotation ({operation(node)}) is also read outside it, by "
+                   f"{', '.join(operation(u) for u in node.users)}")
     return only_user(node)
 
 
@@ -115,11 +115,7 @@ def _match(cat: Node) -> Rotation:
         raise Miss("rotate_half(x) is not used as x * cos + rotate_half(x) * sin")
     nodes = [upper, neg, lower, cat, mul_sin, mul_cos, add]
     x, end = _partial_rotary(x, add, nodes)
-    inside = set(nodes)
-    for n in nodes:
-        outside = [u.name for u in n.users if u not in inside and n is not end]
-        if outside:
-            raise Miss(f"intermediate `{n.name}` is also used outside the rotation ({', '.join(outside)})")
+    check_only_inside(nodes, end, "rotation")
     cos, sin = _unsqueezed(cos4), _unsqueezed(sin4)
     _check(x, cos, sin, end, rot)
     return Rotation(x, cos, sin, end, nodes, (cos4, sin4))

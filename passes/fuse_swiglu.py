@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
+from graphopt.passes.describe import record_for
 from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, same_shape, value
 from graphopt.passes.rewrite import Miss, replace
-from graphopt.passes.describe import record_for
 
 PATTERNS = {"silu": "swiglu", "gelu_tanh": "geglu"}
 

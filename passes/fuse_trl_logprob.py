@@ -43,10 +43,10 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from graphopt.passes.describe import record_for, source_location
 from graphopt.passes.fuse_linear_ce import LOGITS_CHUNK_BYTES
 from graphopt.passes.match import FUSABLE_DTYPES, autocast_dtype, autocast_regions, is_scalar, value
 from graphopt.passes.rewrite import Miss, replace
-from graphopt.passes.describe import record_for, source_location
 
 PATTERN = "trl_logprobs"
 TRL_MODULE = "trl.kernels.chunked_logprob"

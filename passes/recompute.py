@@ -35,9 +35,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from graphopt.passes import offload as offload_pass
+from graphopt.passes.describe import is_layer, layer_of, saved_for_backward, size_hint
 from graphopt.passes.graph_pool import copy_out_of_graph_pool
 from graphopt.passes.memory import estimate_peak
-from graphopt.passes.describe import is_layer, layer_of, saved_for_backward, size_hint
 
 GIB = 2**30
 # What the graphs do not show and "auto" must leave room for: the fused ops' own temporaries (the loss's logits

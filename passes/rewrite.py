@@ -3,9 +3,21 @@ reason); replace() puts the fused call where the subgraph's result was and erase
 
 from torch.fx import Node
 
+from graphopt.passes.describe import operation
+
 
 class Miss(Exception):
     """The candidate cannot be proven to compute what the fused op computes; the message says why."""
+
+
+def check_only_inside(nodes, end: Node, what: str) -> None:
+    """Miss when a node of the subgraph other than its end is read outside it: the fused op would drop that value."""
+    inside = set(nodes)
+    for node in nodes:
+        outside = [u for u in node.users if u not in inside] if node is not end else []
+        if outside:
+            raise Miss(f"an intermediate of the {what} ({operation(node)}) is also read outside it, by "
+                       f"{', '.join(operation(u) for u in outside)}")
 
 
 def replace(end: Node, target, args, meta=None, dead=()) -> Node:

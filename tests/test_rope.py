@@ -278,7 +278,7 @@ def flat_rope(q, k, cos, sin):  # q and k of different batch sizes (one output t
 
 @pytest.mark.parametrize("model, change, reasons", [
     (lone_q, {}, ["a lone q or k rotation"]),
-    (rotate_half_reused, {}, ["also used outside the rotation", "a lone q or k rotation"]),
+    (rotate_half_reused, {}, ["is also read outside it", "a lone q or k rotation"]),
     (lower_half_negated, {}, ["is not rotate_half"] * 2),
     (seq_major, {}, ["unsqueezed at dim 1"] * 2),
     (without_heads, {}, ["not [batch, heads, seq, head_dim]"] * 2),
