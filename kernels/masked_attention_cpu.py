@@ -1,7 +1,7 @@
 """graphopt::padded_attention and packed_attention on the CPU: aten's CPU flash-attention kernels
 (_scaled_dot_product_flash_attention_for_cpu and its backward), what eager SDPA runs there for a masked call, given
 the op's mask as an additive one. Blocked like the GPU kernels, they never hold the [L × L] scores in fp32, which the
-reference (kernels/reference.py) does: at a packed row of 3,000 tokens that made the step 12× slower than eager's.
+reference (kernels/reference.py) does, at a cost that grows with the square of a packed row's thousands of tokens.
 
 A query that attends nothing (padding) comes out 0, with its gradient zeroed before the backward, as the op says.
 k and v are repeated to the query heads (the kernels take no GQA), and their gradients summed back.

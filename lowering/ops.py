@@ -445,11 +445,16 @@ def _attention_layout(x):
     return x.new_empty((batch, length, heads, dim)).transpose(1, 2)
 
 
+def _attention_outputs(q):
+    """(out, lse) as padded_attention and packed_attention return them, empty."""
+    batch, heads, length, _ = q.shape
+    return _attention_layout(q), q.new_empty((heads, batch * length), dtype=torch.float32)
+
+
 @padded_attention.register_fake
 def _padded_attention_fake(q, k, v, keep, scale):
     check_padded_attention(q, k, v, keep)
-    batch, heads, length, _ = q.shape
-    return _attention_layout(q), q.new_empty((heads, batch * length), dtype=torch.float32)
+    return _attention_outputs(q)
 
 
 @torch.library.custom_op("graphopt::padded_attention_backward", mutates_args=())
@@ -516,8 +521,7 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scal
 @packed_attention.register_fake
 def _packed_attention_fake(q, k, v, position_ids, scale):
     check_packed_attention(q, k, v, position_ids)
-    batch, heads, length, _ = q.shape
-    return _attention_layout(q), q.new_empty((heads, batch * length), dtype=torch.float32)
+    return _attention_outputs(q)
 
 
 @torch.library.custom_op("graphopt::packed_attention_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))

@@ -187,20 +187,10 @@ def _same_input(a, b, stage, axes):
             and not a.as_bool and not b.as_bool and {a.axis, b.axis} == axes)
 
 
-# Tensor operators as Dynamo may record them (transformers 5.17 under torch 2.11: `a == b` as call_method __eq__)
-_DUNDERS = {"__eq__": operator.eq, "__ne__": operator.ne, "__le__": operator.le, "__ge__": operator.ge,
-            "__and__": operator.and_, "__add__": operator.add, "__sub__": operator.sub,
-            "__getitem__": operator.getitem}
-
-
 def _read_node(node: Node, read: dict):
     """What node computes, in the terms above; Miss when it is anything else."""
     args, kwargs = map_arg((node.args, node.kwargs), lambda a: read.get(a, value(a)))
     target = node.target
-    function = _DUNDERS.get(target) if node.op == "call_method" else target if node.op == "call_function" else None
-
-    def calls(*functions):
-        return function in functions
     last_dim = (-1, 1)  # of a [B, L] tensor
     if node.op == "placeholder":
         v = value(node)
@@ -225,15 +215,15 @@ def _read_node(node: Node, read: dict):
     elif node.op == "call_method" and target == "new_ones" and kwargs.get("dtype") == torch.bool \
             and tuple(args[1]) == ():
         return _Condition(frozenset())
-    elif calls(torch.arange) and len(args) == 1 and not {"start", "step", "end"} & kwargs.keys():
+    elif is_call(node, torch.arange) and len(args) == 1 and not {"start", "step", "end"} & kwargs.keys():
         return _Index(args[0])
-    elif calls(operator.add, torch.add) and isinstance(args[0], _Index) and args[0].axis is None \
+    elif is_call(node, operator.add, torch.add) and isinstance(args[0], _Index) and args[0].axis is None \
             and isinstance(args[1], int):
         return _Index(args[0].size, args[0].offset + args[1])
-    elif calls(operator.getitem) and isinstance(args[0], _Index) and isinstance(args[1], tuple) \
+    elif is_call(node, operator.getitem) and isinstance(args[0], _Index) and isinstance(args[1], tuple) \
             and len(args[1]) == 4 and args[1].count(None) == 3 and args[1].count(slice(None)) == 1:
         return _Index(args[0].size, args[0].offset, args[1].index(slice(None)))
-    elif calls(operator.getitem) and isinstance(args[0], _PerToken) and args[0].axis is None:
+    elif is_call(node, operator.getitem) and isinstance(args[0], _PerToken) and args[0].axis is None:
         token, axis = args[0], _token_axis(args[1])
         if token.stage == "input" and args[1] == (slice(None), slice(None, 1)):
             return token.then("first")
@@ -241,34 +231,34 @@ def _read_node(node: Node, read: dict):
             return _Condition(frozenset([_KEEP]))  # HF: attention_mask[batch_idx, kv_idx], already bool
         if axis is not None and token.stage in ("input", "documents"):
             return _PerToken(token.input, token.stage, token.as_bool, axis)
-    elif calls(operator.sub, torch.sub) and isinstance(args[0], _PerToken) and args[0].stage == "first" \
+    elif is_call(node, operator.sub, torch.sub) and isinstance(args[0], _PerToken) and args[0].stage == "first" \
             and args[1] == 1:
         return args[0].then("before")
-    elif calls(torch.diff) and isinstance(args[0], _PerToken) and args[0].stage == "input" \
+    elif is_call(node, torch.diff) and isinstance(args[0], _PerToken) and args[0].stage == "input" \
             and args[0].axis is None and len(args) == 1 and kwargs.get("n", 1) == 1 \
             and kwargs.get("dim", -1) in last_dim and isinstance(kwargs.get("prepend"), _PerToken) \
             and kwargs["prepend"].input is args[0].input and kwargs["prepend"].stage == "before" \
             and "append" not in kwargs:
         return args[0].then("steps")
-    elif calls(operator.ne, torch.ne) and isinstance(args[0], _PerToken) and args[0].stage == "steps" \
+    elif is_call(node, operator.ne, torch.ne) and isinstance(args[0], _PerToken) and args[0].stage == "steps" \
             and args[1] == 1:
         return args[0].then("starts")
-    elif (node.op == "call_method" and target == "cumsum" or calls(torch.cumsum)) \
+    elif (node.op == "call_method" and target == "cumsum" or is_call(node, torch.cumsum)) \
             and isinstance(args[0], _PerToken) and args[0].stage == "starts" \
             and (args[1] if len(args) > 1 else kwargs.get("dim")) in last_dim and "dtype" not in kwargs:
         return args[0].then("documents")
-    elif calls(operator.le, operator.ge, torch.le, torch.ge):
-        smaller, larger = args[:2] if function in (operator.le, torch.le) else args[1::-1]
+    elif is_call(node, operator.le, operator.ge, torch.le, torch.ge):
+        smaller, larger = args[:2] if target in (operator.le, torch.le) else args[1::-1]
         if _placed(smaller, _KEY) and _placed(larger, _QUERY):
             return _Condition(frozenset([_CAUSAL]))
         if _same_input(smaller, larger, "input", {_KEY, _QUERY}) and smaller.axis == _KEY:
             return _Condition(frozenset([_POSITIONS_CAUSAL]))  # HF ≥ 5.24: causal over positions
-    elif calls(operator.eq, torch.eq) and _same_input(args[0], args[1], "documents", {_QUERY, _KEY}):
+    elif is_call(node, operator.eq, torch.eq) and _same_input(args[0], args[1], "documents", {_QUERY, _KEY}):
         return _Condition(frozenset([_SAME_DOCUMENT]))
-    elif calls(operator.and_, torch.logical_and, torch.bitwise_and) \
+    elif is_call(node, operator.and_, torch.logical_and, torch.bitwise_and) \
             and all(isinstance(a, _Condition) for a in args[:2]):
         return _Condition(args[0].terms | args[1].terms)
-    elif calls(torch.ones_like) and isinstance(args[0], _Condition):
+    elif is_call(node, torch.ones_like) and isinstance(args[0], _Condition):
         return _Condition(frozenset())
     raise Miss(f"the mask is built with {node.op} {getattr(target, '__name__', target)}, which graphopt does not "
                f"read")

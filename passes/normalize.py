@@ -3,6 +3,7 @@
 Rewrites (Dynamo's torch-level graph, before autograd):
   x.float() / .half() / .bfloat16() / .double() / .type(d) / .type_as(y) / .to(dtype=d)  →  x.to(d)
   casts to the dtype x already has                                                      →  dropped
+  x.__eq__(y) and the other operator methods (Dynamo records some comparisons so)       →  operator.eq(x, y)
   x.op(...) for arithmetic and reductions, and operator.* on tensors                    →  torch.op(x, ...)
   x ** 2, x.square(), x * x, pow(x, 2.0)                                                →  torch.pow(x, 2)
   pow(v, -0.5), 1 / sqrt(v), reciprocal(sqrt(v))                                        →  torch.rsqrt(v)
@@ -19,6 +20,8 @@ from graphopt.passes.match import is_call, is_cast, is_tensor, value
 
 _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 _FUNCTION_METHODS = ("add", "sub", "mul", "div", "pow", "mean", "sum", "rsqrt", "sqrt", "square", "reciprocal", "neg")
+_OPERATOR_METHODS = {f"__{name.rstrip('_')}__": getattr(operator, name) for name in (
+    "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "add", "sub", "mul", "truediv", "getitem")}
 _OPERATORS = {operator.add: torch.add, operator.sub: torch.sub, operator.mul: torch.mul,
               operator.truediv: torch.div, operator.pow: torch.pow, operator.neg: torch.neg}
 
@@ -62,6 +65,8 @@ def _rewrite(node: Node):
         dtype = _cast_dtype(node)
         if dtype is not None and not is_cast(node):
             return _replace(node, "call_method", "to", (node.args[0], dtype))
+        if node.target in _OPERATOR_METHODS and is_tensor(node.args[0]) and len(node.args) == 2 and not node.kwargs:
+            return _replace(node, "call_function", _OPERATOR_METHODS[node.target], node.args)
         if node.target in _FUNCTION_METHODS and is_tensor(node.args[0]):
             return _replace(node, "call_function", getattr(torch, node.target), node.args, node.kwargs)
         return None

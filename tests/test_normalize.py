@@ -101,3 +101,16 @@ def test_symbolic_integer_arithmetic_is_left_alone():
     normalize(gm)
     after = [n.target for n in gm.graph.nodes if n.target is operator.add]
     assert before and after == before
+
+
+def test_operator_methods_become_operators():
+    """x.__eq__(y), as Dynamo records some comparisons (transformers 5.17's packed mask), reads as x == y."""
+    def f(x, y):
+        return x.__le__(y).__and__(x.__eq__(y)), x.__getitem__(0)
+
+    gm, inputs = capture(f, torch.arange(4), torch.tensor([0, 2, 2, 1]))
+    expected = gm(*inputs)
+    normalize(gm)
+    assert not [n for n in gm.graph.nodes if n.op == "call_method"]
+    assert {count_calls(gm, op) for op in (operator.le, operator.and_, operator.eq, operator.getitem)} == {1}
+    assert all(torch.equal(a, b) for a, b in zip(gm(*inputs), expected))

@@ -17,6 +17,7 @@ from graphopt.passes.attention import rewrite_attention
 from models import ARCHITECTURES, tiny_lora_model
 from test_attention import qkv, repeat_kv, sdpa_nodes
 from test_batches import compile_and_compare
+from test_padded_attention import check
 from texts import VOCAB, sentences
 
 OP = torch.ops.graphopt.packed_attention.default
@@ -76,20 +77,6 @@ def inputs(batch, heads, kv_heads, length, dim, dtype, device, seed=0):
             for h in (heads, kv_heads, kv_heads)]  # as HF lays them out: [B, L, H, D] seen as [B, H, L, D]
 
 
-def check(q, k, v, position_ids, scale, tolerance):
-    out, _ = OP(q, k, v, position_ids, scale)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert out.transpose(1, 2).is_contiguous()  # laid out [B, L, H, D], as the fake says
-    grad = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    expected = exact(q64, k64, v64, position_ids, scale)
-    expected_grads = torch.autograd.grad(expected, (q64, k64, v64), grad.double())
-    assert relative_error(out, expected) <= tolerance
-    assert relative_error(torch.cat([g.flatten() for g in grads]),
-                          torch.cat([g.flatten() for g in expected_grads])) <= tolerance
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), groups=st.sampled_from([1, 2, 4]),
        dim=st.sampled_from([8, 16, 64]), data=st.data())
@@ -103,7 +90,7 @@ def test_matches_fp64(device, batch, kv_heads, groups, dim, data):
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if device == "cuda" else [])
     for dtype in dtypes:
         q, k, v = inputs(batch, kv_heads * groups, kv_heads, length, dim, dtype, device, seed=length)
-        check(q, k, v, position_ids, dim ** -0.5, 1e-5 if dtype == torch.float32 else 2e-2)
+        check(q, k, v, position_ids, dim ** -0.5, 1e-5 if dtype == torch.float32 else 2e-2, OP, exact)
 
 
 def test_opcheck():

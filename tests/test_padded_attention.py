@@ -47,20 +47,22 @@ def inputs(batch, heads, kv_heads, length, dim, dtype, device, seed=0):
             for h in (heads, kv_heads, kv_heads)]
 
 
-def check(q, k, v, keep, scale, tolerance):
-    out, _ = OP(q, k, v, keep, scale)
+def check(q, k, v, tokens, scale, tolerance, op=OP, expected_of=exact):
+    """op's output and its gradients against expected_of's fp64 computation (packed_attention's test passes its
+    own); returns the output."""
+    out, _ = op(q, k, v, tokens, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert out.transpose(1, 2).is_contiguous()  # laid out [B, L, H, D], as the fake says
-    assert torch.all(out.transpose(1, 2)[~keep] == 0)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    expected = exact(q64, k64, v64, keep, scale)
+    expected = expected_of(q64, k64, v64, tokens, scale)
     expected_grads = torch.autograd.grad(expected, (q64, k64, v64), grad.double())
     assert relative_error(out, expected) <= tolerance
     # As one vector: at length 1, dq and dk are exactly 0 and 16-bit rounding leaves ~1e-7 in them
     assert relative_error(torch.cat([g.flatten() for g in grads]),
                           torch.cat([g.flatten() for g in expected_grads])) <= tolerance
+    return out
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -73,7 +75,8 @@ def test_matches_fp64(device, batch, kv_heads, groups, length, dim, layout, data
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if device == "cuda" else [])
     for dtype in dtypes:
         q, k, v = inputs(batch, kv_heads * groups, kv_heads, length, dim, dtype, device, seed=length)
-        check(q, k, v, keep, dim ** -0.5, 1e-5 if dtype == torch.float32 else 2e-2)
+        out = check(q, k, v, keep, dim ** -0.5, 1e-5 if dtype == torch.float32 else 2e-2)
+        assert torch.all(out.transpose(1, 2)[~keep] == 0)
 
 
 def test_opcheck():
