@@ -8,6 +8,8 @@ lines, the model compiled in place first: the one line graphopt asks of a Traine
 """
 
 import argparse
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,13 +95,19 @@ def train_with_trainer(args) -> None:
     # the model it is given, and a compiled wrapper's signature is (*args, **kwargs).
     model.compile(backend="graphopt", options=options)
     lines = [{"input_ids": list(line.encode())} for line in TEXT.read_text().splitlines() if line.strip()]
+    # save_strategy="no" writes nothing, but TrainingArguments still creates its output_dir: a temporary one
+    # keeps the demo from leaving a folder where it runs.
+    output_dir = tempfile.mkdtemp(prefix="graphopt-demo-")
     training = transformers.TrainingArguments(
-        "graphopt-demo-trainer", bf16=True, use_cpu=device.type == "cpu", per_device_train_batch_size=args.batch,
+        output_dir, bf16=True, use_cpu=device.type == "cpu", per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=2, max_steps=args.steps, learning_rate=args.lr, max_grad_norm=1.0,
         logging_steps=5, save_strategy="no", report_to=[], disable_tqdm=True)
     trainer = transformers.Trainer(model=model, args=training, train_dataset=lines,
                                    data_collator=transformers.DataCollatorWithFlattening())
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
     print()
     print(graphopt.last_report().to_text())
 
