@@ -15,12 +15,15 @@ from graphopt.kernels.reference import document_starts
 
 
 def _documents(position_ids):
-    """(cumulative document starts [n + 1] int32 over the flattened batch, the longest document's length)."""
+    """(cumulative document starts [n + 1] int32 over the flattened batch, the longest document's length). The
+    document count and the longest come to the host in one transfer, the call's one wait for the GPU."""
     batch, length = position_ids.shape
-    starts = document_starts(position_ids).flatten().nonzero().flatten()  # waits for the GPU
-    bounds = torch.cat([starts, starts.new_full((1,), batch * length)]).to(torch.int32)
-    longest = int((bounds[1:] - bounds[:-1]).max())
-    return bounds, longest_for_kernels(longest)
+    starts = document_starts(position_ids).flatten()
+    index = torch.arange(batch * length, device=position_ids.device)
+    start_of_document = torch.where(starts, index, 0).cummax(0).values
+    count, longest = torch.stack([starts.sum(), (index - start_of_document).max() + 1]).tolist()  # waits
+    bounds = torch.cat([torch.nonzero_static(starts, size=count).flatten(), index.new_full((1,), batch * length)])
+    return bounds.to(torch.int32), longest_for_kernels(longest)
 
 
 def _flat(x):
@@ -30,8 +33,10 @@ def _flat(x):
 
 
 def _unflat(y, batch, length):
-    """[B·L, H, D] → [B, H, L, D] stored [B, L, H, D], the op's output layout."""
-    return y.view(batch, length, *y.shape[1:]).transpose(1, 2)
+    """[B·L, H, D] → [B, H, L, D] stored [B, L, H, D], the op's output layout. The kernels lay their outputs out
+    as their inputs: a [1, H, L, D] q stored as it is ([H, L, D] after RoPE) flattens without a copy to a
+    [L, H, D] view of strides (D, L·D, 1), and so does the output, which then takes the copy."""
+    return y.contiguous().view(batch, length, *y.shape[1:]).transpose(1, 2)
 
 
 def packed_attention_forward(q, k, v, position_ids, scale):

@@ -17,7 +17,7 @@ from graphopt.passes.attention import rewrite_attention
 from models import ARCHITECTURES, tiny_lora_model
 from test_attention import qkv, repeat_kv, sdpa_nodes
 from test_batches import compile_and_compare
-from test_padded_attention import check
+from test_padded_attention import check, opcheck_layouts
 from texts import VOCAB, sentences
 
 OP = torch.ops.graphopt.packed_attention.default
@@ -93,14 +93,13 @@ def test_matches_fp64(device, batch, kv_heads, groups, dim, data):
         check(q, k, v, position_ids, dim ** -0.5, 1e-5 if dtype == torch.float32 else 2e-2, OP, exact)
 
 
-def test_opcheck():
-    q, k, v = inputs(2, 4, 2, 9, 8, torch.float32, "cpu")
-    position_ids = positions_of([[4, 5], [9]])
-    torch.library.opcheck(OP, (q, k, v, position_ids, 0.25))
-    out, lse = OP(q, k, v, position_ids, 0.25)
-    grad = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.graphopt.packed_attention_backward.default,
-                          (grad, q.detach(), k.detach(), v.detach(), position_ids, out.detach(), lse, 0.25))
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_opcheck(device, batch):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # CUDA: the flash kernels
+    q, k, v = inputs(batch, 4, 2, 24, 64, dtype, device)
+    position_ids = positions_of([[4, 11, 9], [24]][:batch]).to(device)
+    opcheck_layouts(OP, torch.ops.graphopt.packed_attention_backward.default, q, k, v, position_ids, 0.125)
 
 
 def test_documents_are_runs_of_consecutive_positions():

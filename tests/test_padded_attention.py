@@ -79,14 +79,29 @@ def test_matches_fp64(device, batch, kv_heads, groups, length, dim, layout, data
         assert torch.all(out.transpose(1, 2)[~keep] == 0)
 
 
-def test_opcheck():
-    q, k, v = inputs(2, 4, 2, 9, 8, torch.float32, "cpu")
-    keep = keep_mask([9, 5], 9)
-    torch.library.opcheck(OP, (q, k, v, keep, 0.25))
-    out, lse = OP(q, k, v, keep, 0.25)
-    grad = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.graphopt.padded_attention_backward.default,
-                          (grad, q.detach(), k.detach(), v.detach(), keep, out.detach(), lse, 0.25))
+# How q, k and v reach the attention ops: HF's projections give [B, H, L, D] views of [B, L, H, D]; RoPE's outputs
+# are contiguous. The kernels' outputs must be laid out as the fakes say whichever comes (opcheck compares strides).
+LAYOUTS = {"projection": lambda x: x.transpose(1, 2).contiguous().transpose(1, 2),
+           "contiguous": lambda x: x.contiguous()}
+
+
+def opcheck_layouts(op, backward, q, k, v, mask, scale):
+    """opcheck of the op and its backward on q, k and v in each of LAYOUTS."""
+    for layout in LAYOUTS.values():
+        q, k, v = (layout(t.detach()).requires_grad_() for t in (q, k, v))
+        torch.library.opcheck(op, (q, k, v, mask, scale))
+        out, lse = op(q, k, v, mask, scale)
+        grad = torch.randn_like(out)
+        torch.library.opcheck(backward, (grad, q.detach(), k.detach(), v.detach(), mask, out.detach(), lse, scale))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_opcheck(device, batch):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # CUDA: the flash kernels
+    q, k, v = inputs(batch, 4, 2, 24, 64, dtype, device)
+    keep = keep_mask([24, 13][:batch], 24).to(device)
+    opcheck_layouts(OP, torch.ops.graphopt.padded_attention_backward.default, q, k, v, keep, 0.125)
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="the flash kernels run on CUDA")
