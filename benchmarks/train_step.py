@@ -493,8 +493,9 @@ def run(args):
                   file=sys.stderr)
     if args.profile:
         profile_steps(forward, optimizer, batches[-1], device, args.profile, autocast=autocast)
-    if args.memory_at_peak and device.type == "cuda":
-        print_memory_at_peak(forward, optimizer, batches[-1], device, autocast=autocast)
+    if args.memory_at_peak and device.type == "cuda":  # the batch of most positions sets the peak
+        longest = max(batches[args.warmup:], key=lambda b: b["input_ids"].numel())
+        print_memory_at_peak(forward, optimizer, longest, device, autocast=autocast)
 
     result = {
         "variant": args.variant,
@@ -655,8 +656,9 @@ def parse_args(argv):
     parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"keep_logits\": true}'")
     parser.add_argument("--profile", metavar="PATH", help="then profile 2 more steps: print where the device "
                         "time goes, write a chrome trace to PATH")
-    parser.add_argument("--memory-at-peak", action="store_true", help="then run one more step under the CUDA "
-                        "allocator's history and print what is allocated at its peak, and where")
+    parser.add_argument("--memory-at-peak", action="store_true", help="then run one more step (the timed batch of "
+                        "most positions) under the CUDA allocator's history and print what is allocated at its "
+                        "peak, and where")
     parser.add_argument("--table", metavar="PATH", help="print the markdown table of a results file and exit")
     args = parser.parse_args(argv)
     if args.table is None and args.variant is None:

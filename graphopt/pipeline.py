@@ -37,8 +37,8 @@ from graphopt.report import Report, publish, reports, rewrite, withdraw
 
 
 DYNAMIC_SHAPES = ("dynamic shapes: one graph serves every size of its symbolic dimensions, without CUDA graphs under "
-                  "cuda_graphs=\"auto\" (one would be recorded per size), keeping tensors of symbolic shape on the "
-                  "device under offload, and with masks not provably causal at a symbolic length kept as they are")
+                  "cuda_graphs=\"auto\" (one would be recorded per size), and with masks not provably causal at a "
+                  "symbolic length kept as they are")
 
 
 def compile_graph(gm, example_inputs, options: Options):

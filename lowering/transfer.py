@@ -4,9 +4,11 @@ graphopt::reload (lowering/ops.py), which passes/offload.py inserts into the par
 Both run the same way eagerly and under CUDA graph capture, so Inductor captures them with the rest of the step:
 - No host tensor crosses a graph's boundary. The forward saves a token for each offloaded tensor, a one-byte
   tensor on its device, and the host copy lives here, found by the token's address.
-- Host buffers are pinned once and reused: an offload takes a free buffer of its shape and dtype, or pins a new
-  one; a reload gives it back. Under a capture nothing can be pinned, and the buffers the capture takes stay its
-  own (every replay writes them): CUDA graph trees run each graph eagerly before recording it, which pins them.
+- Host buffers are pinned once and reused: an offload takes the smallest free buffer that holds it, or pins a new
+  one of the next power of two bytes; a reload gives it back. Sizes that change every step (a graph compiled for
+  every length) so reuse the buffers of longer steps, and what is pinned stays under twice what the longest step
+  holds. Under a capture nothing can be pinned, and the buffers the capture takes stay its own (every replay
+  writes them): CUDA graph trees run each graph eagerly before recording it, which pins them.
 - Every copy runs on one side stream per device, so the compute stream never waits for a copy it does not need
   yet. An offload's device tensor is not handed to the allocator with record_stream (whose deferred free a
   capture would turn into memory never reused): the pass gives the next layer's first offload the tensors and
@@ -22,9 +24,9 @@ On the CPU both are plain copies (the pipeline inserts them only for accelerator
 import torch
 
 _side_streams = {}
-_free_buffers = {}  # (device, shape, dtype) → pinned host buffers no saved tensor holds (per device: each device's
-# side stream orders the copies in and out of its buffers)
-_host_of = {}  # token address → the host buffer holding its tensor
+_free_buffers = {}  # device → pinned host buffers (bytes) no saved tensor holds (per device: each device's side
+# stream orders the copies in and out of its buffers)
+_host_of = {}  # token address → (the pinned buffer, the tensor: a view of its first bytes)
 _copy_done = {}  # token address → the event after its copy out
 _prefetched = {}  # token address → (device tensor, event after its copy in, prefetch batch)
 _batch = 0
@@ -36,12 +38,14 @@ def offload(x: torch.Tensor, after: list, keep: list, wait: bool) -> torch.Tenso
     del keep  # an input only so that Inductor keeps those tensors alive until this point
     token = torch.zeros(1, dtype=torch.uint8, device=x.device)  # never read; zeros: the same each call
     if x.device.type == "cpu":
-        _host_of[token.data_ptr()] = x.clone(memory_format=torch.contiguous_format)
+        copy = x.clone(memory_format=torch.contiguous_format)
+        _host_of[token.data_ptr()] = (copy, copy)
         return token
     compute, side = _streams(x.device)
     for earlier in after:
         compute.wait_event(_copy_done.pop(earlier.data_ptr()))
-    host = _take_buffer(x)
+    buffer = _take_buffer(x)
+    host = buffer[:x.numel() * x.element_size()].view(x.dtype).view(x.shape)
     side.wait_stream(compute)  # x is written
     with side:
         host.copy_(x, non_blocking=True)
@@ -50,7 +54,7 @@ def offload(x: torch.Tensor, after: list, keep: list, wait: bool) -> torch.Tenso
         compute.wait_event(done)
     else:
         _copy_done[token.data_ptr()] = done
-    _host_of[token.data_ptr()] = host
+    _host_of[token.data_ptr()] = (buffer, host)
     return token
 
 
@@ -61,7 +65,7 @@ def reload(token: torch.Tensor, device: torch.device, prefetch: list) -> torch.T
             "offload=True each forward takes one backward; for a second (retain_graph=True), compile without "
             "offload")
     if device.type == "cpu":
-        return _host_of.pop(token.data_ptr()).clone()
+        return _host_of.pop(token.data_ptr())[1].clone()
     entry = _prefetched.pop(token.data_ptr(), None)
     result, done = entry[:2] if entry is not None else _copy_in(token, device)
     torch.accelerator.current_stream(device).wait_event(done)
@@ -72,24 +76,28 @@ def reload(token: torch.Tensor, device: torch.device, prefetch: list) -> torch.T
 
 
 def _take_buffer(x):
-    free = _free_buffers.setdefault((x.device, tuple(x.shape), x.dtype), [])
-    if free:
-        return free.pop()
+    """The smallest free pinned buffer of x's device that holds x's bytes, taken off the free ones; else a new one."""
+    size = x.numel() * x.element_size()
+    free = _free_buffers.setdefault(x.device, [])
+    fitting = [i for i, buffer in enumerate(free) if buffer.numel() >= size]
+    if fitting:
+        return free.pop(min(fitting, key=lambda i: free[i].numel()))
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            f"graphopt offload under CUDA graphs: no host buffer of shape {tuple(x.shape)} ({x.dtype}) was pinned "
-            f"before this capture. CUDA graph trees run each graph once before recording it, which pins them; a "
-            f"second graph recorded for the same forward (two forwards before their backwards) finds none free. "
-            f"Run one forward at a time before its backward, or compile with options={{'cuda_graphs': False}}")
-    return torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+            f"graphopt offload under CUDA graphs: no host buffer of {size} bytes (shape {tuple(x.shape)}, "
+            f"{x.dtype}) was pinned before this capture. CUDA graph trees run each graph once before recording it, "
+            f"which pins them; a second graph recorded for the same forward (two forwards before their backwards) "
+            f"finds none free. Run one forward at a time before its backward, or compile with "
+            f"options={{'cuda_graphs': False}}")
+    return torch.empty(1 << max(size - 1, 0).bit_length(), dtype=torch.uint8, device="cpu", pin_memory=True)
 
 
 def _release(token):
     """The token's host buffer back to the free ones, unless a capture is under way: then it belongs to the
     graph being recorded, whose replays write and read it."""
     if not torch.cuda.is_current_stream_capturing():
-        host = _host_of.pop(token.data_ptr())
-        _free_buffers[(token.device, tuple(host.shape), host.dtype)].append(host)
+        buffer, _ = _host_of.pop(token.data_ptr())
+        _free_buffers[token.device].append(buffer)
 
 
 def _start_prefetch(tokens, device):
@@ -105,7 +113,7 @@ def _start_prefetch(tokens, device):
 
 
 def _copy_in(token, device):
-    host = _host_of[token.data_ptr()]
+    host = _host_of[token.data_ptr()][1]
     compute, side = _streams(device)
     result = torch.empty(host.shape, dtype=host.dtype, device=device)  # a block of the compute stream
     side.wait_stream(compute)  # which may still be using that block: copy into it only after

@@ -11,14 +11,18 @@ Each saved activation is either offloaded or kept on the device with a reason th
 Groups are decoder layers (the module path up to the ModuleList index). In the forward, each copy starts right
 after its tensor is written, and the next layer's first offload waits for it (taking the tensor as an input, so
 that Inductor keeps it until then). In the backward, the first reload of a layer starts copying the next layer's
-tensors, so each layer's copies run under the compute of the layer before. Kept too: a tensor of dynamic shape,
-whose reload must know its sizes when the graph is traced.
+tensors, so each layer's copies run under the compute of the layer before. A tensor of symbolic shape (a graph
+compiled for every length) is offloaded as any other: its reload takes its sizes from the symbols the backward
+receives; kept only where a size is an expression the backward cannot rebuild from them.
 Whether the copies are made is the target lowering's word (Lowering.offload_copies): on the CPU target the plan is
 made and reported, and the graphs are left as they are, since there is nowhere to move to.
 """
 
 from dataclasses import dataclass, field
 
+import operator
+
+import sympy
 import torch
 from torch._subclasses.fake_tensor import extract_tensor_metadata
 
@@ -78,6 +82,7 @@ def plan_offload(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
         candidates.append((first_use, placeholder, produced, value))
     candidates.sort(key=lambda c: c[0])
 
+    symbols = _symbol_inputs(backward)
     plan = OffloadPlan(num_fwd_outputs, moves_data=copies)
     largest = max((bytes_written(p) for _, p, *_ in candidates), key=size_hint, default=0)
     first_group = layer_of(candidates[0][1]) if candidates else None
@@ -90,8 +95,8 @@ def plan_offload(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, 
             plan.kept[name] = "a view: its base stays on the device"
         elif not value.is_contiguous():
             plan.kept[name] = "not contiguous"
-        elif any(isinstance(size, torch.SymInt) for size in value.shape):
-            plan.kept[name] = "a dynamic shape: its reload must know its sizes when the graph is traced"
+        elif not all(_buildable(size, symbols) for size in value.shape):
+            plan.kept[name] = "a symbolic size the backward does not receive the symbols of"
         elif size_hint(plan.sizes[name]) < size_hint(largest) * SMALL_FRACTION:
             plan.kept[name] = "small: under 1/64 of the largest saved activation"
         elif plan.groups[name] == first_group:
@@ -152,6 +157,7 @@ def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
     output.args = (tuple(model_outputs) + tuple(tokens.get(n, n) for n in saved),) + tuple(output.args[1:])
 
     placeholders = {p.name: p for p in backward.graph.find_nodes(op="placeholder")}
+    symbols = _symbol_inputs(backward)
     order = {node: i for i, node in enumerate(backward.graph.nodes)}
     first_user = {name: min(placeholders[name].users, key=order.get) for name in plan.offloaded}
     prefetch = plan.prefetch_after()
@@ -161,10 +167,10 @@ def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
         value = placeholder.meta["val"]
         _set_value(placeholder, torch.ops.graphopt.offload.default(value, [], [], False))
         with backward.graph.inserting_before(first_user[name]):
+            shape = [_size_node(backward.graph, size, symbols) for size in value.shape]
             reload = backward.graph.call_function(
                 torch.ops.graphopt.reload.default,
-                (placeholder, list(value.shape), value.dtype, value.device,
-                 [placeholders[n] for n in prefetch.get(name, [])]))
+                (placeholder, shape, value.dtype, value.device, [placeholders[n] for n in prefetch.get(name, [])]))
         _set_value(reload, value)
         reload.meta["nn_module_stack"] = placeholder.meta.get("nn_module_stack", {})
         # every reader but the reloads, whose prefetch lists name the token itself
@@ -173,6 +179,51 @@ def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
     backward.graph.lint()
     forward.recompile()
     backward.recompile()
+
+
+def _symbol_inputs(backward: torch.fx.GraphModule) -> dict:
+    """sympy symbol → the backward's input carrying it (the SymInts AOT autograd hands the backward)."""
+    symbols = {}
+    for placeholder in backward.graph.find_nodes(op="placeholder"):
+        value = placeholder.meta.get("val")
+        if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
+            symbols.setdefault(value.node.expr, placeholder)
+    return symbols
+
+
+def _buildable(size, symbols) -> bool:
+    """Whether _size_node can write size: an int, or sums and products of integers and received symbols."""
+    if not isinstance(size, torch.SymInt):
+        return True
+    expr = size.node.expr
+    terms = (sympy.Symbol, sympy.Integer, sympy.Add, sympy.Mul)
+    return (all(s in symbols for s in expr.free_symbols)
+            and all(isinstance(e, terms) for e in sympy.preorder_traversal(expr)))
+
+
+def _size_node(graph: torch.fx.Graph, size, symbols):
+    """size as a graph value: the int itself, or the backward's symbol inputs combined by operator.add and mul."""
+    if not isinstance(size, torch.SymInt):
+        return size
+
+    def build(expr):
+        if isinstance(expr, sympy.Integer):
+            return int(expr)
+        if isinstance(expr, sympy.Symbol):
+            return symbols[expr]
+        combine = operator.add if isinstance(expr, sympy.Add) else operator.mul
+        terms = [build(arg) for arg in expr.args]
+        result = terms[0]
+        for term in terms[1:]:
+            result = graph.call_function(combine, (result, term))
+            result.meta["val"] = combine(_value(result.args[0]), _value(term))
+        return result
+
+    return build(size.node.expr)
+
+
+def _value(x):
+    return x.meta["val"] if isinstance(x, torch.fx.Node) else x
 
 
 def _set_value(node, value):

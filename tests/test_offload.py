@@ -96,6 +96,32 @@ def test_forced_copies_compute_what_eager_computes(arch, copies):
         assert copies["offload"] == copies["reload"] == plan["tensors"] > 0, budget
 
 
+def test_a_graph_of_symbolic_length_offloads_its_layer_inputs(copies):
+    """A graph compiled for every length (batches of changing length) offloads as a static one: each reload takes
+    its sizes from the symbols the backward receives, and every length the graph serves computes what eager
+    computes."""
+    copies["force"]()
+    model = tiny_lora_model("llama")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="graphopt", options={"memory_budget": 0, "offload": True})
+    reports_before = len(graphopt.reports())
+    for length in (16, 11, 23):
+        ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(length))
+        torch._dynamo.maybe_mark_dynamic(ids, 1)
+        expected = eager_loss_and_grads(model, ids)
+        copies["offload"] = copies["reload"] = 0
+        model.zero_grad(set_to_none=True)
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert_matches((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}),
+                       expected)
+        plan = graphopt.last_report().saved_for_backward["offload"]
+        assert copies["offload"] == copies["reload"] == plan["tensors"] > 0, length
+        assert not any("symbolic" in kept["reason"] for kept in plan["kept"]), plan["kept"]
+    assert len(graphopt.reports()) == reports_before + 1  # one graph served every length
+    assert any(note.startswith("dynamic shapes") for note in graphopt.last_report().notes)
+
+
 def test_each_layer_prefetches_the_next_one_the_backward_reads():
     plan = offload_pass.OffloadPlan(num_fwd_outputs=1, offloaded=["a", "b", "c", "d", "e"],
                                     groups={"a": "layers.2", "b": "layers.2", "c": "layers.1", "d": "layers.0",
@@ -162,25 +188,35 @@ def test_transfer_ops_are_captured_with_the_step():
 def test_a_capture_takes_only_buffers_pinned_before_it_and_keeps_them(monkeypatch):
     """Under a CUDA graph capture nothing can be pinned: an offload takes a free host buffer or raises, naming the
     fix; and a reload leaves the buffer to the graph being recorded, whose replays write and read it. Outside a
-    capture the reload frees it for the next offload of its shape. (The bookkeeping of lowering/transfer.py's GPU
-    path, run on the CPU with the capture stubbed.)"""
+    capture the reload frees it for the next offload. (The bookkeeping of lowering/transfer.py's GPU path, run on
+    the CPU with the capture stubbed.)"""
     monkeypatch.setattr(transfer, "_free_buffers", {})
     monkeypatch.setattr(transfer, "_host_of", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x = torch.randn(3, 5)
-    with pytest.raises(RuntimeError, match=r"no host buffer of shape \(3, 5\).*pinned before this capture.*"
-                                           r"one forward at a time.*'cuda_graphs': False"):
+    with pytest.raises(RuntimeError, match=r"no host buffer of 60 bytes \(shape \(3, 5\).*pinned before this "
+                                           r"capture.*one forward at a time.*'cuda_graphs': False"):
         transfer._take_buffer(x)
-    key, pinned = (x.device, (3, 5), x.dtype), torch.empty(3, 5)
-    transfer._free_buffers[key] = [pinned]
-    assert transfer._take_buffer(x) is pinned and transfer._free_buffers[key] == []
+    pinned = torch.empty(64, dtype=torch.uint8)
+    transfer._free_buffers[x.device] = [pinned]
+    assert transfer._take_buffer(x) is pinned and transfer._free_buffers[x.device] == []
     token = torch.zeros(1, dtype=torch.uint8)
-    transfer._host_of[token.data_ptr()] = pinned
+    transfer._host_of[token.data_ptr()] = (pinned, pinned[:60].view(torch.float32).view(3, 5))
     transfer._release(token)
-    assert transfer._host_of[token.data_ptr()] is pinned and transfer._free_buffers[key] == []
+    assert transfer._host_of[token.data_ptr()][0] is pinned and transfer._free_buffers[x.device] == []
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     transfer._release(token)
-    assert token.data_ptr() not in transfer._host_of and transfer._free_buffers[key] == [pinned]
+    assert token.data_ptr() not in transfer._host_of and transfer._free_buffers[x.device] == [pinned]
+
+
+def test_an_offload_takes_the_smallest_free_buffer_that_holds_it(monkeypatch):
+    """Sizes that change every step reuse the buffers of longer steps: the smallest free one that holds the
+    tensor's bytes, whatever its shape and dtype; a new one only when none does."""
+    small, large, larger = (torch.empty(n, dtype=torch.uint8) for n in (32, 128, 256))
+    monkeypatch.setattr(transfer, "_free_buffers", {torch.device("cpu"): [larger, small, large]})
+    assert transfer._take_buffer(torch.empty(10, 3, dtype=torch.float32)) is large  # 120 bytes
+    assert transfer._take_buffer(torch.empty(4, dtype=torch.bfloat16)) is small
+    assert transfer._free_buffers[torch.device("cpu")] == [larger]
 
 
 def test_each_layer_waits_for_the_copies_of_the_layer_before(copies):
