@@ -25,6 +25,7 @@ this module adds:
   H200 that took the fastest plan from 15.5 to 11.4 GiB, with no loss of speed (benchmarks/RESULTS.md).
 """
 
+import hashlib
 import math
 
 import torch
@@ -34,6 +35,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
+from graphopt.fingerprint import code_fingerprint
 from graphopt.passes import offload as offload_pass
 from graphopt.passes.describe import is_layer, layer_of, saved_for_backward, size_hint
 from graphopt.passes.graph_pool import copy_out_of_graph_pool
@@ -156,7 +158,10 @@ class Partitioner(CustomPartitionerFn):
         return best, tried
 
     def uuid(self):
-        return None  # the plan depends on options outside the graph: never reuse a cached compile
+        """The key Inductor's FX graph cache files a graph partitioned here under: graphopt's code and the
+        settings the plan is made from (graphopt/fingerprint.py)."""
+        settings = repr(sorted(self.__getstate__().items()))
+        return hashlib.sha256(f"{code_fingerprint()}\0{settings}".encode()).hexdigest()
 
     def __getstate__(self):  # Inductor pickles its config for cache keys: the settings, not the report callback
         return {"memory_budget": self.memory_budget, "offload": self.offload, "max_memory_gib": self.max_memory_gib,
