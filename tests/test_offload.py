@@ -122,6 +122,32 @@ def test_a_graph_of_symbolic_length_offloads_its_layer_inputs(copies):
     assert any(note.startswith("dynamic shapes") for note in graphopt.last_report().notes)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copies to host memory and back need a GPU")
+def test_on_the_gpu_a_graph_of_symbolic_length_offloads_into_reused_buffers(copies):
+    """Real copies at lengths that change every step: each offloaded tensor goes out and back, the numbers are
+    those of the same compile without offload, and a shorter step takes the host buffers of a longer one (nothing
+    new is pinned)."""
+    model = tiny_lora_model("llama").cuda()
+    compiled = {offload: torch.compile(model, backend="graphopt", options={"memory_budget": 0, "offload": offload})
+                for offload in (False, True)}
+    pinned = []
+    for length in (40, 24, 64, 16):
+        ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(length)).cuda()
+        torch._dynamo.maybe_mark_dynamic(ids, 1)
+        results = {}
+        for offload, step in compiled.items():
+            copies["offload"] = copies["reload"] = 0
+            model.zero_grad(set_to_none=True)
+            loss = step(input_ids=ids, labels=ids).loss
+            loss.backward()
+            results[offload] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                               if p.requires_grad}
+        assert_matches(results[True], results[False])
+        assert copies["offload"] == copies["reload"] > 0, length
+        pinned.append(sum(len(buffers) for buffers in transfer._free_buffers.values()))
+    assert pinned[1] == pinned[0] and pinned[3] == pinned[2]  # the shorter steps pinned nothing new
+
+
 def test_each_layer_prefetches_the_next_one_the_backward_reads():
     plan = offload_pass.OffloadPlan(num_fwd_outputs=1, offloaded=["a", "b", "c", "d", "e"],
                                     groups={"a": "layers.2", "b": "layers.2", "c": "layers.1", "d": "layers.0",
