@@ -1,5 +1,5 @@
-"""Shared test setup, kept minimal: the Triton interpreter for CPU-only runs, one hypothesis profile, and a fresh
-Dynamo for tests that compile under their own options."""
+"""Shared test setup, kept minimal: the Triton interpreter for CPU-only runs, Inductor's FX graph cache off, one
+hypothesis profile, and a fresh Dynamo for tests that compile under their own options."""
 
 import os
 
@@ -12,7 +12,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import torch._inductor.config  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Each test compiles its graphs afresh: writing every compile to the cache cost the suite ~9% and served nothing
+# (few tests compile the same graph), and a hit would skip the compile path a test means to exercise.
+# tests/test_compile_cache.py turns it on where the cache is the subject.
+torch._inductor.config.fx_graph_cache = False
 
 settings.register_profile(
     "ci",

@@ -28,7 +28,7 @@ def test_a_second_compile_is_served_by_the_fx_graph_cache(monkeypatch):
     settings, or another graphopt's code, compile afresh."""
     model = tiny_lora_model("llama")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    with fresh_cache():
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True):  # off for the rest of the suite
         loss, grads, first = compile_step(model, ids, {})
         assert first.get("fxgraph_cache_miss") == 2 and not first.get("fxgraph_cache_bypass"), first
         again_loss, again_grads, again = compile_step(model, ids, {})
