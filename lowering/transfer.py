@@ -6,9 +6,10 @@ Both run the same way eagerly and under CUDA graph capture, so Inductor captures
   tensor on its device, and the host copy lives here, found by the token's address.
 - Host buffers are pinned once and reused: an offload takes the smallest free buffer that holds it, or pins a new
   one of the next power of two bytes; a reload gives it back. Sizes that change every step (a graph compiled for
-  every length) so reuse the buffers of longer steps, and what is pinned stays under twice what the longest step
-  holds. Under a capture nothing can be pinned, and the buffers the capture takes stay its own (every replay
-  writes them): CUDA graph trees run each graph eagerly before recording it, which pins them.
+  every length) so reuse the buffers of longer steps; what is pinned stays under four times what the longest step
+  holds (each buffer at most twice its tensor, and the smaller ones a longer step outgrew at most as much again).
+  Under a capture nothing can be pinned, and the buffers the capture takes stay its own (every replay writes
+  them): CUDA graph trees run each graph eagerly before recording it, which pins them.
 - Every copy runs on one side stream per device, so the compute stream never waits for a copy it does not need
   yet. An offload's device tensor is not handed to the allocator with record_stream (whose deferred free a
   capture would turn into memory never reused): the pass gives the next layer's first offload the tensors and
