@@ -1,10 +1,9 @@
 """What identifies graphopt's code in a cache key: a hash of its source files.
 
-Inductor's FX graph cache and Triton's cache serve a graph compiled by another process when its key matches. The
-key sees the graph, its inputs and Inductor's settings; graphopt enters it twice — the partitioner's uuid
-(passes/recompute.py) and the target's decomposition table (lowering/registry.py) — and both carry this hash, so
-a compile from another graphopt (another release, or an edited checkout) is never reused: the graphopt ops'
-CPU decompositions are inlined into the generated code, and the partitioner's choices are graphopt's.
+Inductor's FX graph cache serves a graph compiled by another process when its key matches. The key sees the
+graph, its inputs and Inductor's settings, among them the partitioner's uuid (passes/recompute.py), which carries
+this hash: a compile from another graphopt (another release, or an edited checkout) is never reused, since the
+graphopt ops' CPU decompositions are inlined into the generated code and the partitioner's choices are graphopt's.
 """
 
 import functools

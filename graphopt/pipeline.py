@@ -104,13 +104,13 @@ def _autograd_partition_lower(gm, example_inputs, lowering, report, options):
     if lowering.inductor:
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.
-        decompositions = lowering_registry.inductor_decompositions(lowering.target)
+        decompositions = lowering_registry.InductorDecompositions(lowering.target)
         # As config_patches, not a config.patch block: they must also reach the backward, compiled at its first run.
         settings = dict(custom_partitioner_fn=partitioner)
         if graphs:
             settings.update({"triton.cudagraphs": True, "graph_partition": True})
-        # Inductor's FX graph cache serves the forward and backward graphs to a later process (the partitioner and
-        # the decompositions key them with graphopt's code); AOTAutograd's cache, which would skip the
+        # Inductor's FX graph cache serves the forward and backward graphs to a later process (the partitioner's
+        # uuid keys them with graphopt's code); AOTAutograd's cache, which would skip the
         # partitioner and so the memory plan the report shows, stays off.
         with torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, config_patches=settings, decompositions=decompositions)

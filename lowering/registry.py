@@ -5,7 +5,6 @@ from dataclasses import dataclass, field
 import torch
 from torch._inductor.decomposition import select_decomp_table
 
-from graphopt.fingerprint import code_fingerprint
 from graphopt.lowering import ascend, cpu, ops
 from graphopt.passes.match import autocast_dtype, autocast_regions, value
 from graphopt.report import LoweringRecord
@@ -71,21 +70,18 @@ def lowering_for(target: str) -> Lowering:
                     offload_copies=target != "mps")
 
 
-def inductor_decompositions(target: str, fingerprint: str = "") -> dict:
+class InductorDecompositions(dict):
     """The table compile_fx takes: Inductor's decompositions and the target's for graphopt ops. Inductor's FX graph
     cache pickles it into its key, and some of Inductor's own entries are builtins it cannot pickle, which would
-    keep every compile out of the cache: the table pickles as this call instead, with the target and graphopt's
-    code fingerprint (what it is made from)."""
-    return _Decompositions(target)
+    keep every compile out of the cache: it pickles as what it is made from, the target (graphopt's code is in the
+    key through the partitioner's uuid, passes/recompute.py)."""
 
-
-class _Decompositions(dict):
-    def __init__(self, target):
+    def __init__(self, target: str):
         super().__init__({**select_decomp_table(), **lowering_for(target).decompositions})
         self.target = target
 
     def __reduce__(self):
-        return inductor_decompositions, (self.target, code_fingerprint())
+        return InductorDecompositions, (self.target,)
 
 
 def record(gm: torch.fx.GraphModule, lowering: Lowering, report) -> None:

@@ -18,9 +18,8 @@ Whether the copies are made is the target lowering's word (Lowering.offload_copi
 made and reported, and the graphs are left as they are, since there is nowhere to move to.
 """
 
-from dataclasses import dataclass, field
-
 import operator
+from dataclasses import dataclass, field
 
 import sympy
 import torch

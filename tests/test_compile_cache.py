@@ -1,6 +1,6 @@
 """Compiles reused across processes: Inductor's FX graph cache serves graphopt's forward and backward graphs when
 graphopt's code, the plan's settings and the graph match (passes/recompute.py Partitioner.uuid,
-lowering/registry.py inductor_decompositions, graphopt/fingerprint.py). Within one process after
+lowering/registry.py InductorDecompositions, graphopt/fingerprint.py). Within one process after
 torch._dynamo.reset(), the cache is read from disk as a second process reads it."""
 
 import torch
