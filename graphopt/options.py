@@ -38,6 +38,13 @@ class Options:
     # "auto": where it was measured faster (cuda_graphs_decision)
     cuda_graphs: object = "auto"
 
+    def to_json(self) -> dict:
+        """The options as the plan records them: plain JSON values."""
+        return {"target": self.target, "fusions": sorted(self.fusions),
+                "report": None if self.report is None else str(self.report), "keep_logits": self.keep_logits,
+                "cache_grad": self.cache_grad, "memory_budget": self.memory_budget, "offload": self.offload,
+                "max_memory_gib": self.max_memory_gib, "cuda_graphs": self.cuda_graphs}
+
 
 def _describe_valid(fusion_names) -> str:
     return (f"valid options: target={'|'.join(TARGETS)}; "

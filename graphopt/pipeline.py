@@ -8,11 +8,13 @@
                 and the cache policy: the returned KV cache is detached unless cache_grad         passes/detach_cache.py
   4. autograd   aot_autograd traces forward + backward; each graphopt op brings its own backward op
   5. partition  what the backward saves, recomputes or offloads, under memory_budget  passes/recompute.py
-                and its peak memory estimate; the report records it      passes/offload.py, passes/memory.py
+                and its peak memory estimate                             passes/offload.py, passes/memory.py
                 under CUDA graphs, the gradients and the loss leave the graphs' pool  passes/graph_pool.py
   6. lower      each graphopt op → the target's implementation; the rest → Inductor (or eager)   lowering/
-  7. report     everything the stages recorded                        graphopt/report.py
+  7. report     the plan every stage added to (graphopt/plan.py), published  graphopt/report.py
   8. hand back  outputs not computed become LogitsNotMaterialized      graphopt/logits.py
+
+Each stage adds its decisions to one Plan; the report renders it once the graph has compiled (or failed to).
 """
 
 import torch
@@ -32,7 +34,8 @@ from graphopt.passes.drop_logits import drop_logits
 from graphopt.passes.normalize import normalize
 from graphopt.passes.recompute import Partitioner
 from graphopt.passes.registry import FUSIONS
-from graphopt.report import Report, publish, reports, rewrite, withdraw
+from graphopt.plan import Plan
+from graphopt.report import publish, reports
 
 
 DYNAMIC_SHAPES = ("dynamic shapes: one graph serves every size of its symbolic dimensions, without CUDA graphs under "
@@ -42,65 +45,62 @@ DYNAMIC_SHAPES = ("dynamic shapes: one graph serves every size of its symbolic d
 
 def compile_graph(gm, example_inputs, options: Options):
     # 1. capture
-    report = Report(graph=len(reports()), nodes_captured=len(gm.graph.nodes))
-    report.target = resolve_target(options.target, example_inputs)
+    plan = Plan(graph=len(reports()), options=options.to_json(), nodes_captured=len(gm.graph.nodes))
+    plan.target = resolve_target(options.target, example_inputs)
 
     # 2. normalize: checkpointed regions inlined (their plan becomes the memory plan), one spelling per op
     checkpointed = inline_checkpoints(gm)
     if checkpointed:
-        options = checkpointing_as_plan(options, checkpointed, report)
+        options = checkpointing_as_plan(options, checkpointed, plan)
     normalize(gm)
 
     # 3. fuse
     for name, fuse in FUSIONS.items():
         if name in options.fusions:
-            fuse(gm, report)
-    dropped = [] if options.keep_logits else drop_logits(gm, report)
+            fuse(gm, plan)
+    dropped = [] if options.keep_logits else drop_logits(gm, plan)
     if not options.cache_grad:
-        detach_cache(gm, report)
+        detach_cache(gm, plan)
 
     # 4–6. autograd → partition → lower. The target's lowering says how each graphopt op will run.
-    lowering = lowering_registry.lowering_for(report.target)
-    check_cuda_graphs(options, report.target)
+    lowering = lowering_registry.lowering_for(plan.target)
+    check_cuda_graphs(options, plan.target)
     note = lowering.prepare() if lowering.prepare else None
     if note:
-        report.notes.append(note)
-    lowering_registry.record(gm, lowering, report)
+        plan.notes.append(note)
+    lowering_registry.record(gm, lowering, plan)
     dynamic = _has_dynamic_shapes(gm, example_inputs)
     if dynamic:
-        report.notes.append(DYNAMIC_SHAPES)
+        plan.notes.append(DYNAMIC_SHAPES)
     if lowering.inductor:  # and whether Inductor replays the graph as CUDA graphs
         training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                    for x in example_inputs)
-        graphs, why = cuda_graphs_decision(options, lowering, dynamic, training)
-        report.cuda_graphs = {"on": graphs, "why": why}
-
-    # 7. report: published before Inductor compiles, so a compile error can be read against it
-    publish(report, options.report)
-
-    # 8. hand back
+        plan.cuda_graphs = dict(zip(("on", "why"), cuda_graphs_decision(options, lowering, dynamic, training)))
     try:
-        compiled = _autograd_partition_lower(gm, example_inputs, lowering, report, options)
+        compiled = _autograd_partition_lower(gm, example_inputs, lowering, plan, options)
     except RestartAnalysis:  # Dynamo abandons this graph (e.g. to make a float a tensor) and hands over another
-        withdraw(report)
         raise
+    except Exception:  # 7. report: what was decided before the failure, to read the error against
+        publish(plan, options.report)
+        raise
+    # 7. report
+    publish(plan, options.report)
+    # 8. hand back
     return hand_back(compiled, dropped)
 
 
-def _autograd_partition_lower(gm, example_inputs, lowering, report, options):
-    def record_partition(decision):  # 5. partition, as the report sees it
-        report.saved_for_backward = decision
-        rewrite(report)
-
+def _autograd_partition_lower(gm, example_inputs, lowering, plan, options):
     # CUDA graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition).
     # What outlives a step leaves the graphs' memory pool (passes/graph_pool.py): the leaves' gradients.
-    graphs = bool(report.cuda_graphs and report.cuda_graphs["on"])
+    graphs = bool(plan.cuda_graphs and plan.cuda_graphs["on"])
     leaf_inputs = (tuple(isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad for x in example_inputs)
                    if graphs else None)
     # memory_budget="auto" without max_memory_gib sizes the plan to the weights the graph reads
     weights_bytes = sum(x.nbytes for x in example_inputs if isinstance(x, torch.nn.Parameter))
+    # 5. partition: a stage of its own, called by aot_autograd once it has the joint graph; it adds the memory
+    # plan to the plan
     partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
-                              lowering.offload_copies, record_partition, leaf_inputs, weights_bytes)
+                              lowering.offload_copies, plan, leaf_inputs, weights_bytes)
     if lowering.inductor:
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.

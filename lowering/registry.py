@@ -7,7 +7,7 @@ from torch._inductor.decomposition import select_decomp_table
 
 from graphopt.lowering import ascend, cpu, ops
 from graphopt.passes.match import autocast_dtype, autocast_regions, value
-from graphopt.report import LoweringRecord
+from graphopt.plan import LoweringRecord
 
 try:  # Triton is a Linux dependency; elsewhere the CUDA lowering is simply absent.
     from graphopt.lowering import cuda

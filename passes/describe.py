@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from graphopt.report import Record
+from graphopt.plan import Record
 
 
 # --- where a node came from ------------------------------------------------------------------------------
@@ -52,10 +52,28 @@ def source_location(node: torch.fx.Node) -> str:
     return f"{_SITE.sub('', file)}:{line}"
 
 
+def _call_name(node: torch.fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
 def operation(node: torch.fx.Node) -> str:
     """A node as a person finds it in their code: what it calls and the source line (not the graph's names)."""
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    return f"{name} at {source_location(node)}"
+    return f"{_call_name(node)} at {source_location(node)}"
+
+
+def node_key(node: torch.fx.Node) -> str:
+    """A name for the node that every process capturing the same model gives it: `module path/call#k`, the k-th
+    call of that operation traced in that module (graph names and Python ids are not stable)."""
+    def scope(n):
+        stack = n.meta.get("nn_module_stack")
+        return list(stack.values())[-1][0] if stack else None
+
+    here, position = scope(node), 0
+    for other in node.graph.nodes:
+        if other is node:
+            break
+        position += other.target == node.target and scope(other) == here
+    return f"{module_path(node)}/{_call_name(node)}#{position}"
 
 
 def tensor_type(node: torch.fx.Node):
@@ -69,7 +87,7 @@ def tensor_type(node: torch.fx.Node):
 
 def record_for(node: torch.fx.Node, pattern: str, reason: Optional[str] = None) -> Record:
     dtype, shape = tensor_type(node)
-    return Record(pattern, module_path(node), source_location(node), dtype, shape, reason)
+    return Record(pattern, module_path(node), source_location(node), dtype, shape, reason, node_key(node))
 
 
 def saved_for_backward(backward: torch.fx.GraphModule, largest: int = 5) -> dict:

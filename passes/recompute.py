@@ -60,14 +60,14 @@ AUTO_STEPS = 4  # bisection steps of memory_budget="auto" between 0 and 1: a bud
 class Partitioner(CustomPartitionerFn):
     """aot_autograd's partition function for one compile (Inductor's custom_partitioner_fn, or aot_autograd's
     partition_fn without Inductor): torch's min-cut partitioner under the chosen budget, then the offload plan.
-    on_partitioned(decision: dict) receives what the report shows."""
+    The decision becomes the plan's saved_for_backward (graphopt/plan.py)."""
 
-    def __init__(self, memory_budget, offload: bool, max_memory_gib, offload_copies: bool, on_partitioned,
+    def __init__(self, memory_budget, offload: bool, max_memory_gib, offload_copies: bool, plan,
                  leaf_inputs=None, weights_bytes=0):
         self.memory_budget, self.offload, self.max_memory_gib = memory_budget, offload, max_memory_gib
         self.weights_bytes = weights_bytes  # of the parameters among the graph's inputs: "auto" without a limit
         self.offload_copies = offload_copies  # the target's lowering moves the data (else: the plan is reported)
-        self.on_partitioned = on_partitioned
+        self.plan = plan
         # Under CUDA graphs: one bool per input of the compiled graph, True for a leaf that requires grad, whose
         # gradient becomes its .grad (passes/graph_pool.py); None without CUDA graphs
         self.leaf_inputs = leaf_inputs
@@ -102,7 +102,7 @@ class Partitioner(CustomPartitionerFn):
                                 "fits": size_hint(estimate.peak) <= limit,
                                 "tried": [{"memory_budget": b, "offload": o, "estimated_peak_bytes": e}
                                           for b, o, e in tried]}
-        self.on_partitioned(decision)
+        self.plan.saved_for_backward = decision
         return forward, backward
 
     def _plan(self, joint, joint_inputs, kwargs, budget, offload):
@@ -163,7 +163,7 @@ class Partitioner(CustomPartitionerFn):
         settings = repr(sorted(self.__getstate__().items()))
         return hashlib.sha256(f"{code_fingerprint()}\0{settings}".encode()).hexdigest()
 
-    def __getstate__(self):  # Inductor pickles its config for cache keys: the settings, not the report callback
+    def __getstate__(self):  # Inductor pickles its config for cache keys: the settings, not the plan
         return {"memory_budget": self.memory_budget, "offload": self.offload, "max_memory_gib": self.max_memory_gib,
                 "offload_copies": self.offload_copies, "leaf_inputs": self.leaf_inputs,
                 "weights_bytes": self.weights_bytes}

@@ -28,12 +28,12 @@ def first_output(gm, inputs):
 def run_pass(fuse, model, *args):
     """Capture model(*args), normalize it, run one fusion pass: (gm, inputs, output before, report, fused)."""
     from graphopt.passes.normalize import normalize
-    from graphopt.report import Report
+    from graphopt.plan import Plan
 
     gm, inputs = capture(model, *args)
     expected = first_output(gm, inputs)
     normalize(gm)
-    report = Report(graph=0)
+    report = Plan(graph=0)
     return gm, inputs, expected, report, fuse(gm, report)
 
 

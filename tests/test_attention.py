@@ -146,7 +146,7 @@ def test_unprovable_attention_stays_with_a_reason(fn, extra, reasons):
 def test_symbolic_sequence_length_causal_mask_read_symbolically():
     """HF's causal mask at a symbolic length is read as "kv ≤ q" for every length: is_causal, as at static ones."""
     from graphopt.passes.normalize import normalize
-    from graphopt.report import Report
+    from graphopt.plan import Plan
 
     graphs = []
     fn = hf_attention(causal_bool)
@@ -155,7 +155,7 @@ def test_symbolic_sequence_length_causal_mask_read_symbolically():
     args = qkv(2, 8, 2, 16, 8, torch.float32)
     expected = compiled(*args)
     normalize(graphs[0])
-    report = Report(graph=0)
+    report = Plan(graph=0)
     assert rewrite_attention(graphs[0], report) == 2
     assert [r.pattern for r in report.fusions] == ["attention_causal", "attention_gqa"] and not report.misses
     placeholders = [v for v in (n.meta.get("example_value") for n in graphs[0].graph.find_nodes(op="placeholder"))]
@@ -180,7 +180,7 @@ def test_sliding_window_at_a_symbolic_length_stays():
     """A mask the symbolic reading does not cover (a sliding window) cannot be evaluated at symbolic sizes: it
     stays, with the reason."""
     from graphopt.passes.normalize import normalize
-    from graphopt.report import Report
+    from graphopt.plan import Plan
 
     graphs = []
     torch._dynamo.reset()
@@ -188,7 +188,7 @@ def test_sliding_window_at_a_symbolic_length_stays():
                              dynamic=True)
     compiled(*qkv(2, 8, 2, 16, 8, torch.float32))
     normalize(graphs[0])
-    report = Report(graph=0)
+    report = Plan(graph=0)
     rewrite_attention(graphs[0], report)
     assert "symbolic" in {r.pattern: r.reason for r in report.misses}["attention_causal"]
 

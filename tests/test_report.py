@@ -1,4 +1,5 @@
-"""graphopt.report: the Report and its renderings, publishing to files, and where nodes came from."""
+"""graphopt.plan and graphopt.report: the plan, its renderings and round trip, publishing to files, and where nodes
+came from."""
 
 import json
 from types import SimpleNamespace
@@ -8,17 +9,19 @@ import pytest
 import graphopt
 from graphopt import report as report_mod
 from graphopt.passes import describe
-from graphopt.passes.describe import module_class, module_path, source_location, tensor_type
-from graphopt.report import SCHEMA_VERSION, LoweringRecord, Record, Report, publish, render
+from graphopt.passes.describe import module_class, module_path, node_key, source_location, tensor_type
+from graphopt.plan import SCHEMA, LoweringRecord, Plan, Record
+from graphopt.report import publish, render, write
 
 LAYER0 = "base_model.model.model.layers.0.input_layernorm"
 TRICKY = "model.layers.1.<post_attention>&\"norm\""
 
 
-def sample_report() -> Report:
-    r = Report(graph=3, target="cuda", nodes_captured=412)
+def sample_report() -> Plan:
+    r = Plan(graph=3, target="cuda", nodes_captured=412, options={"memory_budget": "auto"})
     r.fusions = [
-        Record("rms_norm", LAYER0, "transformers/models/llama/modeling_llama.py:71", "bfloat16", [2, "s0", 2048]),
+        Record("rms_norm", LAYER0, "transformers/models/llama/modeling_llama.py:71", "bfloat16", [2, "s0", 2048],
+               key=f"{LAYER0}/to#0"),
         Record("rms_norm", "base_model.model.model.norm", "transformers/models/llama/modeling_llama.py:72",
                "bfloat16", [2, "s0", 2048]),
     ]
@@ -39,25 +42,52 @@ def sample_report() -> Report:
 def test_to_json_round_trips_through_json():
     data = sample_report().to_json()
     assert json.loads(json.dumps(data)) == data
-    assert set(data) == {"schema_version", "graph", "target", "nodes_captured", "fusions", "misses", "lowering",
+    assert set(data) == {"schema", "graph", "target", "options", "nodes_captured", "fusions", "misses", "lowering",
                          "notes", "saved_for_backward", "cuda_graphs"}
     assert data["cuda_graphs"] == {"on": True, "why": 'cuda_graphs="auto": static shapes on an NVIDIA GPU'}
-    assert data["schema_version"] == SCHEMA_VERSION
+    assert data["schema"] == SCHEMA == "graphopt.plan/1" and data["options"] == {"memory_budget": "auto"}
     assert (data["graph"], data["target"], data["nodes_captured"]) == (3, "cuda", 412)
     assert [f["module"] for f in data["fusions"]] == [LAYER0, "base_model.model.model.norm"]
     assert data["fusions"][0] == {
         "pattern": "rms_norm", "module": LAYER0, "source": "transformers/models/llama/modeling_llama.py:71",
-        "dtype": "bfloat16", "shape": [2, "s0", 2048], "reason": None,
+        "dtype": "bfloat16", "shape": [2, "s0", 2048], "reason": None, "key": f"{LAYER0}/to#0",
     }
     assert data["misses"] == [{"pattern": "rms_norm", "module": TRICKY, "source": "my_model.py:10",
-                               "dtype": "float32", "shape": [4, 64], "reason": "epsilon is not a constant & <x>"}]
+                               "dtype": "float32", "shape": [4, 64], "reason": "epsilon is not a constant & <x>",
+                               "key": ""}]
     assert data["lowering"][1] == {"op": "graphopt.rms_norm_backward.default", "count": 2,
                                    "implementation": "Triton <backward>",
                                    "note": "in the backward graph, when gradients are needed"}
 
 
+def test_from_json_reads_what_to_json_wrote():
+    r = sample_report()
+    assert Plan.from_json(json.loads(json.dumps(r.to_json()))) == r
+
+
+def test_a_compiled_graphs_plan_reads_back_as_it_renders():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RMSNorm(8), torch.nn.Linear(8, 2))
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, backend="graphopt", options={"memory_budget": 0.5})(torch.randn(4, 8)).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    plan = graphopt.last_report()
+    assert plan.saved_for_backward["memory_budget"] == 0.5 and plan.options["memory_budget"] == 0.5
+    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert again.to_text() == plan.to_text() and again.to_html() == plan.to_html()
+
+
+@pytest.mark.parametrize("data", [{"schema_version": 1, "graph": 0}, {"schema": "graphopt.plan/0"}, []])
+def test_from_json_refuses_another_schema(data):
+    with pytest.raises(ValueError, match="not a graphopt.plan/1 plan.*make it again"):
+        Plan.from_json(data)
+
+
 def test_empty_report_renders():
-    r = Report(graph=0)
+    r = Plan(graph=0)
     assert r.to_json()["fusions"] == [] and r.to_json()["misses"] == []
     text = r.to_text()
     assert "fusions (0): none" in text and "misses (0)" in text
@@ -98,7 +128,7 @@ def test_to_html_escapes():
 
 
 def test_to_html_escapes_target():
-    page = Report(graph=0, target="<script>").to_html()
+    page = Plan(graph=0, target="<script>").to_html()
     assert "<script>" not in page and "&lt;script&gt;" in page
 
 
@@ -106,7 +136,7 @@ def test_to_html_escapes_target():
 def test_write(tmp_path, suffix):
     r = sample_report()
     path = tmp_path / f"report{suffix}"
-    r.write(path)
+    write(r, path)
     content = path.read_text(encoding="utf-8")
     assert content == render(r, suffix)
     if suffix == ".json":
@@ -119,7 +149,7 @@ def test_write(tmp_path, suffix):
 
 def test_write_accepts_str_path(tmp_path):
     path = tmp_path / "r.json"
-    sample_report().write(str(path))
+    write(sample_report(), str(path))
     assert json.loads(path.read_text())["graph"] == 3
 
 
@@ -127,7 +157,7 @@ def test_write_accepts_str_path(tmp_path):
 
 @pytest.fixture
 def clean_reports(monkeypatch):
-    monkeypatch.setattr(report_mod, "_REPORTS", [])
+    monkeypatch.setattr(report_mod, "_PLANS", [])
     monkeypatch.setattr(report_mod, "_WRITTEN", {})
 
 
@@ -139,7 +169,7 @@ def test_last_report_when_nothing_compiled(clean_reports):
 
 
 def test_publish_without_path_keeps_report(clean_reports, tmp_path):
-    a, b = Report(graph=0), Report(graph=1)
+    a, b = Plan(graph=0), Plan(graph=1)
     publish(a)
     publish(b)
     assert graphopt.last_report() is b
@@ -150,7 +180,7 @@ def test_publish_without_path_keeps_report(clean_reports, tmp_path):
 @pytest.mark.parametrize("suffix", [".txt", ".json", ".html"])
 def test_publish_same_path_twice(clean_reports, tmp_path, suffix):
     path = tmp_path / f"run{suffix}"
-    first, second, third = Report(graph=0, target="cpu"), Report(graph=1, target="cpu"), Report(graph=2)
+    first, second, third = Plan(graph=0, target="cpu"), Plan(graph=1, target="cpu"), Plan(graph=2)
     publish(first, path)
     publish(second, path)
     publish(third, path)
@@ -163,8 +193,8 @@ def test_publish_same_path_twice(clean_reports, tmp_path, suffix):
 
 
 def test_publish_different_paths_do_not_interfere(clean_reports, tmp_path):
-    publish(Report(graph=0), tmp_path / "a.json")
-    publish(Report(graph=1), tmp_path / "b.json")
+    publish(Plan(graph=0), tmp_path / "a.json")
+    publish(Plan(graph=1), tmp_path / "b.json")
     assert json.loads((tmp_path / "a.json").read_text())["graph"] == 0
     assert json.loads((tmp_path / "b.json").read_text())["graph"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
@@ -231,20 +261,24 @@ def test_module_path_from_real_dynamo_capture():
                 x = layer(x)
             return x
 
-    seen = []
+    seen, keys = [], []
 
     def backend(gm, example_inputs):
-        seen.extend((module_path(n), module_class(n), source_location(n))
-                    for n in gm.graph.nodes if n.op == "call_function")
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        seen.extend((module_path(n), module_class(n), source_location(n)) for n in calls)
+        keys.append([node_key(n) for n in calls])
         return gm.forward
 
-    torch._dynamo.reset()
-    try:
-        torch.compile(Model(), backend=backend)(torch.randn(2, 4))
-    finally:
+    for _ in range(2):  # two captures of the same model name their nodes alike
         torch._dynamo.reset()
+        try:
+            torch.compile(Model(), backend=backend)(torch.randn(2, 4))
+        finally:
+            torch._dynamo.reset()
     assert {(p, c) for p, c, _ in seen} == {("layers.0.norm", "RMSNorm"), ("layers.1.norm", "RMSNorm")}
     assert all(s != "<unknown>" and ":" in s for _, _, s in seen)
+    assert keys[0] == keys[1] and len(set(keys[0])) == len(keys[0])
+    assert keys[0][0] == "layers.0.norm/rms_norm#0"
 
 
 SITE_TRACE = """  File "/home/u/train.py", line 12, in <module>
@@ -279,6 +313,7 @@ def test_tensor_type():
 def test_record_for():
     import torch
     node = fake_node("L['self'].model.norm", stack_trace=SITE_TRACE, value=torch.empty(4, 8))
+    node.target, node.graph = "to", SimpleNamespace(nodes=[node])
     rec = describe.record_for(node, "rms_norm", reason="because")
     assert rec == Record("rms_norm", "model.norm", "transformers/models/llama/modeling_llama.py:71", "float32",
-                         [4, 8], "because")
+                         [4, 8], "because", "model.norm/to#0")

@@ -23,7 +23,7 @@ from graphopt.kernels import linear_logprobs as kernel, reference
 from graphopt.passes import fuse_trl_logprob, recompute  # noqa: F401  (recompute: the ops' FLOP formulas)
 from graphopt.passes.fuse_trl_logprob import fuse_trl_logprob as fuse
 from graphopt.passes.normalize import normalize
-from graphopt.report import Report
+from graphopt.plan import Plan
 from graphs import capture, count_calls, relative_error
 from models import tiny_lora_model
 from test_linear_ce import IGNORE, LargestTensor
@@ -300,7 +300,7 @@ def captured_and_fused(fn, *args):
     gm, inputs = capture(fn, *args)
     expected = gm(*inputs)
     normalize(gm)
-    report = Report(graph=0)
+    report = Plan(graph=0)
     return gm, inputs, expected, report, fuse(gm, report)
 
 
@@ -384,7 +384,7 @@ def test_other_trl_releases_are_not_exposed_and_say_so(monkeypatch):
     ids = torch.randint(0, VOCAB, (2, 8))
     gm, _ = capture(lambda i: model(input_ids=i, labels=i, fused_lm_head=True).loss, ids)
     monkeypatch.setattr(fuse_trl_logprob, "NOT_EXPOSED", reason)
-    report = Report(graph=0)
+    report = Plan(graph=0)
     fuse(gm, report)
     (miss,) = [m for m in report.misses if m.reason == reason]
     assert miss.pattern == "trl_logprobs" and miss.source.startswith("trl/trainer/utils.py")
