@@ -4,8 +4,9 @@ from graphopt.logits import LogitsNotMaterialized, LogitsNotMaterializedError
 from graphopt.lowering import registry as _lowering  # registers the graphopt:: ops and the target kernels
 from graphopt.options import OptionError, Options
 from graphopt.plan import Plan, Record
+from graphopt.plan_dir import optimize
 from graphopt.report import last_report, record_measured_peak, reports
 
 __version__ = "0.1.0"
 __all__ = ["LogitsNotMaterialized", "LogitsNotMaterializedError", "OptionError", "Options", "Plan", "Record",
-           "last_report", "record_measured_peak", "reports", "__version__"]
+           "last_report", "optimize", "record_measured_peak", "reports", "__version__"]

@@ -37,13 +37,16 @@ class Options:
     # CPU cannot launch the step's ~1,500 kernels as fast as the GPU runs them (benchmarks/RESULTS.md).
     # "auto": where it was measured faster (cuda_graphs_decision)
     cuda_graphs: object = "auto"
+    # a plan directory (graphopt/plan_dir.py): its decisions and compiled artifacts instead of a search and a compile
+    plan: Optional[Path] = None
 
     def to_json(self) -> dict:
         """The options as the plan records them: plain JSON values."""
         return {"target": self.target, "fusions": sorted(self.fusions),
                 "report": None if self.report is None else str(self.report), "keep_logits": self.keep_logits,
                 "cache_grad": self.cache_grad, "memory_budget": self.memory_budget, "offload": self.offload,
-                "max_memory_gib": self.max_memory_gib, "cuda_graphs": self.cuda_graphs}
+                "max_memory_gib": self.max_memory_gib, "cuda_graphs": self.cuda_graphs,
+                "plan": None if self.plan is None else str(self.plan)}
 
 
 def _describe_valid(fusion_names) -> str:
@@ -51,13 +54,13 @@ def _describe_valid(fusion_names) -> str:
             f"fusions={{name: bool}} or a list of names to enable, names: {', '.join(fusion_names)}; "
             f"report=path ending in {', '.join(REPORT_SUFFIXES)}; keep_logits=True|False; cache_grad=True|False; "
             f"memory_budget=a number from 0 to 1, or \"auto\" (optionally with max_memory_gib=N); offload=True|False; "
-            f"cuda_graphs=\"auto\"|True|False")
+            f"cuda_graphs=\"auto\"|True|False; plan=a directory graphopt.optimize wrote")
 
 
 def parse_options(raw: dict, fusion_names) -> Options:
     fusion_names = tuple(fusion_names)
     unknown = sorted(set(raw) - {"target", "fusions", "report", "keep_logits", "cache_grad", "memory_budget",
-                                "offload", "max_memory_gib", "cuda_graphs"})
+                                "offload", "max_memory_gib", "cuda_graphs", "plan"})
     if unknown:
         raise OptionError(f"unknown graphopt option(s) {unknown}; {_describe_valid(fusion_names)}")
 
@@ -103,9 +106,28 @@ def parse_options(raw: dict, fusion_names) -> Options:
     cuda_graphs = raw.get("cuda_graphs", "auto")
     if not isinstance(cuda_graphs, bool) and cuda_graphs != "auto":
         raise OptionError(f"cuda_graphs must be \"auto\", True or False, got {cuda_graphs!r}")
+    plan = raw.get("plan")
+    if plan is not None:
+        plan = _plan_directory(plan, raw)
     return Options(target=target, fusions=frozenset(enabled), report=report, keep_logits=keep_logits,
                    cache_grad=cache_grad, memory_budget=memory_budget, offload=offload, max_memory_gib=max_memory_gib,
-                   cuda_graphs=cuda_graphs)
+                   cuda_graphs=cuda_graphs, plan=plan)
+
+
+PLANNED = ("fusions", "keep_logits", "cache_grad", "memory_budget", "offload", "max_memory_gib", "cuda_graphs")
+
+
+def _plan_directory(plan, raw) -> Path:
+    """plan= names a directory graphopt.optimize wrote; the decisions it holds are not asked for again."""
+    path = Path(plan).resolve()
+    if not (path / "plan.json").is_file() or not (path / "manifest.json").is_file():
+        raise OptionError(f"plan={str(plan)!r}: no plan.json and manifest.json there; make one with "
+                          f"graphopt.optimize(model, example_inputs, DIR) or `graphopt optimize`")
+    both = [name for name in PLANNED if name in raw]
+    if both:
+        raise OptionError(f"plan={str(plan)!r} brings its own {', '.join(both)}: leave {'them' if len(both) > 1 else 'it'}"
+                          f" out, or make the plan again with the options you want")
+    return path
 
 
 def check_cuda_graphs(options: Options, target: str) -> None:

@@ -24,6 +24,7 @@ from torch._dynamo.exc import RestartAnalysis
 from torch._inductor.compile_fx import compile_fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
+from graphopt import plan_dir
 from graphopt.devices import resolve_target
 from graphopt.logits import hand_back
 from graphopt.lowering import registry as lowering_registry
@@ -32,6 +33,7 @@ from graphopt.passes.checkpoint import checkpointing_as_plan, inline_checkpoints
 from graphopt.passes.detach_cache import detach_cache
 from graphopt.passes.drop_logits import drop_logits
 from graphopt.passes.normalize import normalize
+from graphopt.passes.describe import graph_inputs
 from graphopt.passes.recompute import Partitioner
 from graphopt.passes.registry import FUSIONS
 from graphopt.plan import Plan
@@ -47,6 +49,10 @@ def compile_graph(gm, example_inputs, options: Options):
     # 1. capture
     plan = Plan(graph=len(reports()), options=options.to_json(), nodes_captured=len(gm.graph.nodes))
     plan.target = resolve_target(options.target, example_inputs)
+    plan.inputs, plan.parameters = graph_inputs(gm, example_inputs)
+    saved = None
+    if options.plan:  # a plan directory's decisions for this graph take the place of the options' (and searches)
+        options, saved = plan_dir.apply(options, plan)
 
     # 2. normalize: checkpointed regions inlined (their plan becomes the memory plan), one spelling per op
     checkpointed = inline_checkpoints(gm)
@@ -61,6 +67,8 @@ def compile_graph(gm, example_inputs, options: Options):
     dropped = [] if options.keep_logits else drop_logits(gm, plan)
     if not options.cache_grad:
         detach_cache(gm, plan)
+    if saved:
+        plan_dir.check_same_fusions(saved, plan)
 
     # 4–6. autograd → partition → lower. The target's lowering says how each graphopt op will run.
     lowering = lowering_registry.lowering_for(plan.target)
@@ -109,6 +117,8 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options):
         settings = dict(custom_partitioner_fn=partitioner)
         if graphs:
             settings.update({"triton.cudagraphs": True, "graph_partition": True})
+        if options.plan:  # the plan directory's compiled graphs are served from Inductor's cache
+            settings["fx_graph_cache"] = True
         # Inductor's FX graph cache serves the forward and backward graphs to a later process (the partitioner's
         # uuid keys them with graphopt's code); AOTAutograd's cache, which would skip the
         # partitioner and so the memory plan the report shows, stays off.

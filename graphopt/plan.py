@@ -45,6 +45,10 @@ class Plan:
     target: str = ""
     options: dict = field(default_factory=dict)  # as validated (graphopt/options.py Options.to_json)
     nodes_captured: int = 0
+    # hashes of the graph's inputs (names, dtypes, shapes) and of its parameters alone: a saved plan is found by
+    # them (graphopt/plan_dir.py)
+    inputs: str = ""
+    parameters: str = ""
     fusions: list = field(default_factory=list)
     misses: list = field(default_factory=list)
     lowering: list = field(default_factory=list)
@@ -62,6 +66,8 @@ class Plan:
             "target": self.target,
             "options": dict(self.options),
             "nodes_captured": self.nodes_captured,
+            "inputs": self.inputs,
+            "parameters": self.parameters,
             "fusions": [asdict(r) for r in self.fusions],
             "misses": [asdict(r) for r in self.misses],
             "lowering": [asdict(r) for r in self.lowering],

@@ -2,6 +2,7 @@
 line, type) and the report's record of it, and what a compiled backward saves and recomputes, per layer. Analysis
 only; graphopt/report.py renders what the stages record."""
 
+import hashlib
 import re
 from typing import Optional
 
@@ -83,6 +84,20 @@ def tensor_type(node: torch.fx.Node):
         return "?", []
     shape = [int(s) if isinstance(s, int) else str(s) for s in value.shape]
     return str(value.dtype).replace("torch.", ""), shape
+
+
+def graph_inputs(gm: torch.fx.GraphModule, example_inputs) -> tuple:
+    """(a hash of the graph's inputs: their names, dtypes and shapes; a hash of the parameters among them alone):
+    what a saved plan is found by for a graph (graphopt/plan_dir.py). Dynamo names each input after where the
+    model reads it (l_self_modules_…_parameters_weight_), so the same model gives the same names in any process."""
+    everything, parameters = hashlib.sha256(), hashlib.sha256()
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        line = f"{node.name}:{type(value).__name__}:" + (f"{value.dtype}:{[str(s) for s in value.shape]}"
+                                                          if isinstance(value, torch.Tensor) else "")
+        everything.update(line.encode() + b"\n")
+        if isinstance(value, torch.nn.Parameter):
+            parameters.update(line.encode() + b"\n")
+    return everything.hexdigest()[:16], parameters.hexdigest()[:16]
 
 
 def record_for(node: torch.fx.Node, pattern: str, reason: Optional[str] = None) -> Record:

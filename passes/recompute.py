@@ -158,15 +158,17 @@ class Partitioner(CustomPartitionerFn):
         return best, tried
 
     def uuid(self):
-        """The key Inductor's FX graph cache files a graph partitioned here under: graphopt's code and the
-        settings the plan is made from (graphopt/fingerprint.py)."""
-        settings = repr(sorted(self.__getstate__().items()))
-        return hashlib.sha256(f"{code_fingerprint()}\0{settings}".encode()).hexdigest()
+        """The partitioner's part of the keys Inductor's caches file a partitioned graph under: graphopt's code
+        (graphopt/fingerprint.py). Not the settings: what they decide (what is saved, recomputed, offloaded,
+        copied out of the graphs' pool) is in the partitioned graph, which the key holds, so a plan applied with
+        its decisions fixed (graphopt/plan_dir.py) finds the graphs the search made."""
+        return hashlib.sha256(code_fingerprint().encode()).hexdigest()
 
-    def __getstate__(self):  # Inductor pickles its config for cache keys: the settings, not the plan
-        return {"memory_budget": self.memory_budget, "offload": self.offload, "max_memory_gib": self.max_memory_gib,
-                "offload_copies": self.offload_copies, "leaf_inputs": self.leaf_inputs,
-                "weights_bytes": self.weights_bytes}
+    def __getstate__(self):  # Inductor pickles its config into the FX graph cache's key: the code stands for it
+        return {"code": code_fingerprint()}
+
+    def __deepcopy__(self, memo):  # Inductor copies its config for the backward's compile: this compile's partitioner
+        return self
 
 
 def save_layer_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> None:

@@ -1,5 +1,5 @@
 """Compiles reused across processes: Inductor's FX graph cache serves graphopt's forward and backward graphs when
-graphopt's code, the plan's settings and the graph match (passes/recompute.py Partitioner.uuid,
+graphopt's code and the partitioned graph match (passes/recompute.py Partitioner.uuid,
 lowering/registry.py InductorDecompositions, graphopt/fingerprint.py). Within one process after
 torch._dynamo.reset(), the cache is read from disk as a second process reads it."""
 

@@ -42,8 +42,8 @@ def sample_report() -> Plan:
 def test_to_json_round_trips_through_json():
     data = sample_report().to_json()
     assert json.loads(json.dumps(data)) == data
-    assert set(data) == {"schema", "graph", "target", "options", "nodes_captured", "fusions", "misses", "lowering",
-                         "notes", "saved_for_backward", "cuda_graphs"}
+    assert set(data) == {"schema", "graph", "target", "options", "nodes_captured", "inputs", "parameters", "fusions",
+                         "misses", "lowering", "notes", "saved_for_backward", "cuda_graphs"}
     assert data["cuda_graphs"] == {"on": True, "why": 'cuda_graphs="auto": static shapes on an NVIDIA GPU'}
     assert data["schema"] == SCHEMA == "graphopt.plan/1" and data["options"] == {"memory_budget": "auto"}
     assert (data["graph"], data["target"], data["nodes_captured"]) == (3, "cuda", 412)
