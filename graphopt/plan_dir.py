@@ -99,6 +99,33 @@ def optimize(model: torch.nn.Module, example_inputs: dict, out_dir, options: dic
     return out
 
 
+def main(argv=None) -> None:
+    """`graphopt optimize MODEL --out DIR [--batch B --seq S --options JSON]`."""
+    import argparse
+
+    from graphopt.model_source import example_inputs, load_model
+
+    parser = argparse.ArgumentParser(prog="graphopt optimize", description=optimize.__doc__.split(".")[0])
+    parser.add_argument("model", help="an HF model directory (a config.json alone builds it with random weights), "
+                                      "or module:factory")
+    parser.add_argument("--out", required=True, help="the plan directory to write")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--lora-rank", type=int, default=16,
+                        help="LoRA rank on the usual projections of a model without adapters (0: train it as it is)")
+    parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"memory_budget\": 0}'")
+    args = parser.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    model = load_model(args.model, dtype, args.device, args.lora_rank)
+    out = optimize(model, example_inputs(model, args.batch, args.seq, args.device), args.out,
+                   json.loads(args.options))
+    print((out / "report.txt").read_text())
+    print(f"plan written to {out}; train with torch.compile(model, backend=\"graphopt\", "
+          f"options={{\"plan\": \"{out}\"}})")
+
+
 def model_fingerprint(model: torch.nn.Module) -> dict:
     """What identifies the model a plan was made for: its class, its config (HF models) and a hash of its
     parameters' names, shapes, dtypes and whether they train."""

@@ -37,3 +37,14 @@ def tiny_lora_model(arch: str, dtype=torch.float32, seed: int = 0, adapter_dtype
 def adapted_layers(model):
     """Module paths, from the PeftModel as compiled root, of the layers PEFT adapted."""
     return [name for name, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+
+
+def tiny_llama():
+    """A factory for `graphopt optimize models:tiny_llama` (tests/test_plan_dir.py): the tiny Llama with LoRA."""
+    return tiny_lora_model("llama")
+
+
+def tiny_llama_base():
+    """The same without adapters."""
+    config_cls, model_cls, _ = ARCHITECTURES["llama"]
+    return model_cls(config_cls(**COMMON))

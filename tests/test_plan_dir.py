@@ -191,3 +191,32 @@ def test_optimize_refuses_a_directory_of_other_files(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="holds files and no plan"):
         graphopt.optimize(tiny_lora_model("llama"), {"input_ids": IDS}, tmp_path)
+
+
+def test_the_command_line_optimizes_a_config_directory(tmp_path):
+    """`graphopt optimize DIR` where DIR holds a config.json alone: the model is built with random weights, LoRA
+    r=16 on its projections, and the plan directory written."""
+    import transformers
+
+    from models import COMMON
+
+    transformers.LlamaConfig(**COMMON).save_pretrained(tmp_path / "model")
+    done = subprocess.run([sys.executable, "-m", "graphopt", "optimize", str(tmp_path / "model"), "--out",
+                           str(tmp_path / "plan"), "--batch", "2", "--seq", "16", "--dtype", "fp32", "--device",
+                           "cpu"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lora ×14" in done.stdout and "plan written to" in done.stdout
+    saved = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert saved["inputs"]["input_ids"].startswith("int64[2, 16]")
+    assert saved["model"]["config"]["hidden_size"] == COMMON["hidden_size"]
+
+
+def test_a_factory_model_is_trained_as_it_is_or_given_lora():
+    from graphopt.model_source import load_model
+
+    as_it_is = load_model("models:tiny_llama", torch.float32, "cpu", lora_rank=0)
+    assert hasattr(as_it_is, "peft_config") and as_it_is.peft_config["default"].r == 8
+    based = load_model("models:tiny_llama_base", torch.float32, "cpu")
+    assert based.peft_config["default"].r == 16
+    with pytest.raises(SystemExit, match="neither an HF model directory"):
+        load_model("no-such-thing", torch.float32, "cpu")

@@ -1,0 +1,51 @@
+"""The MODEL argument of the command line (`graphopt optimize MODEL`): an HF model directory, or `module:factory`.
+
+An HF directory with weights loads them; with a config.json alone the model is built from it with random
+weights (the plan depends on shapes, not values). A base model gets PEFT LoRA, r=16 on the usual projections,
+unless told otherwise; a factory returns the model as it is to be trained (PEFT or not).
+"""
+
+import importlib
+from pathlib import Path
+
+import torch
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def load_model(source: str, dtype: torch.dtype, device: str, lora_rank: int = 16) -> torch.nn.Module:
+    path = Path(source)
+    if path.is_dir():
+        model = _from_directory(path, dtype)
+    elif ":" in source:
+        module, _, name = source.partition(":")
+        model = getattr(importlib.import_module(module), name)()
+    else:
+        raise SystemExit(f"MODEL {source!r}: neither an HF model directory (with a config.json) nor module:factory")
+    model = model.to(device)
+    if lora_rank and not hasattr(model, "peft_config"):
+        import peft
+
+        present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        targets = [t for t in LORA_TARGETS if t in present] or "all-linear"
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                                                           target_modules=targets))
+    return model
+
+
+def _from_directory(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"MODEL {str(path)!r}: no config.json there")
+    if any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    config = transformers.AutoConfig.from_pretrained(path)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def example_inputs(model: torch.nn.Module, batch: int, seq: int, device: str) -> dict:
+    """input_ids and labels of batch × seq random tokens of the model's vocabulary."""
+    vocab = model.config.vocab_size if hasattr(model, "config") else 128
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    return {"input_ids": ids, "labels": ids}
