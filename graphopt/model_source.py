@@ -1,10 +1,12 @@
 """The MODEL argument of the command line (`graphopt optimize MODEL`): an HF model directory, or `module:factory`.
 
 An HF directory with weights loads them; with a config.json alone the model is built from it with random
-weights (the plan depends on shapes, not values). A base model gets PEFT LoRA, r=16 on the usual projections,
+weights (the plan depends on shapes, not values). On the meta device (`graphopt explain`) nothing is loaded or
+allocated: shapes and dtypes only. A base model gets PEFT LoRA, r=16 on the usual projections,
 unless told otherwise; a factory returns the model as it is to be trained (PEFT or not).
 """
 
+import contextlib
 import importlib
 from pathlib import Path
 
@@ -14,14 +16,16 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def load_model(source: str, dtype: torch.dtype, device: str, lora_rank: int = 16) -> torch.nn.Module:
-    path = Path(source)
-    if path.is_dir():
-        model = _from_directory(path, dtype)
-    elif ":" in source:
-        module, _, name = source.partition(":")
-        model = getattr(importlib.import_module(module), name)()
-    else:
-        raise SystemExit(f"MODEL {source!r}: neither an HF model directory (with a config.json) nor module:factory")
+    path, meta = Path(source), device == "meta"
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        if path.is_dir():
+            model = _from_directory(path, dtype, weights=not meta)
+        elif ":" in source:
+            module, _, name = source.partition(":")
+            model = getattr(importlib.import_module(module), name)()
+        else:
+            raise SystemExit(f"MODEL {source!r}: neither an HF model directory (with a config.json) nor "
+                             f"module:factory")
     model = model.to(device)
     if lora_rank and not hasattr(model, "peft_config"):
         import peft
@@ -33,12 +37,12 @@ def load_model(source: str, dtype: torch.dtype, device: str, lora_rank: int = 16
     return model
 
 
-def _from_directory(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+def _from_directory(path: Path, dtype: torch.dtype, weights: bool) -> torch.nn.Module:
     import transformers
 
     if not (path / "config.json").is_file():
         raise SystemExit(f"MODEL {str(path)!r}: no config.json there")
-    if any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
+    if weights and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     config = transformers.AutoConfig.from_pretrained(path)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -45,10 +45,12 @@ DYNAMIC_SHAPES = ("dynamic shapes: one graph serves every size of its symbolic d
                   "symbolic length kept as they are")
 
 
-def compile_graph(gm, example_inputs, options: Options):
+def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
+    """explain: the graph was traced on the meta device for options.target (graphopt/explain.py); every stage
+    decides as it would there, and nothing is compiled: the graphs run as traced."""
     # 1. capture
     plan = Plan(graph=len(reports()), options=options.to_json(), nodes_captured=len(gm.graph.nodes))
-    plan.target = resolve_target(options.target, example_inputs)
+    plan.target = options.target if explain else resolve_target(options.target, example_inputs)
     plan.inputs, plan.parameters = graph_inputs(gm, example_inputs)
     saved = None
     if options.plan:  # a plan directory's decisions for this graph take the place of the options' (and searches)
@@ -73,7 +75,7 @@ def compile_graph(gm, example_inputs, options: Options):
     # 4–6. autograd → partition → lower. The target's lowering says how each graphopt op will run.
     lowering = lowering_registry.lowering_for(plan.target)
     check_cuda_graphs(options, plan.target)
-    note = lowering.prepare() if lowering.prepare else None
+    note = lowering.prepare() if lowering.prepare and not explain else None
     if note:
         plan.notes.append(note)
     lowering_registry.record(gm, lowering, plan)
@@ -85,7 +87,7 @@ def compile_graph(gm, example_inputs, options: Options):
                                                    for x in example_inputs)
         plan.cuda_graphs = dict(zip(("on", "why"), cuda_graphs_decision(options, lowering, dynamic, training)))
     try:
-        compiled = _autograd_partition_lower(gm, example_inputs, lowering, plan, options)
+        compiled = _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain)
     except RestartAnalysis:  # Dynamo abandons this graph (e.g. to make a float a tensor) and hands over another
         raise
     except Exception:  # 7. report: what was decided before the failure, to read the error against
@@ -97,7 +99,7 @@ def compile_graph(gm, example_inputs, options: Options):
     return hand_back(compiled, dropped)
 
 
-def _autograd_partition_lower(gm, example_inputs, lowering, plan, options):
+def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain):
     # CUDA graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition).
     # What outlives a step leaves the graphs' memory pool (passes/graph_pool.py): the leaves' gradients.
     graphs = bool(plan.cuda_graphs and plan.cuda_graphs["on"])
@@ -109,7 +111,7 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options):
     # plan to the plan
     partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
                               lowering.offload_copies, plan, leaf_inputs, weights_bytes)
-    if lowering.inductor:
+    if lowering.inductor and not explain:
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.
         decompositions = lowering_registry.InductorDecompositions(lowering.target)

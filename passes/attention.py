@@ -68,7 +68,7 @@ def _ancestors(node: Node) -> list:
 
 
 def _on_cpu(arg):
-    return _CPU if isinstance(arg, (torch.device, str)) and str(arg).startswith(("cuda", "xpu", "npu", "mps")) \
+    return _CPU if isinstance(arg, (torch.device, str)) and str(arg).startswith(("cuda", "xpu", "npu", "mps", "meta")) \
         else arg
 
 
