@@ -7,6 +7,7 @@ the most recent; `graphopt.reports()` all of this process's, in order. JSON sche
 
 import html as html_text
 import json
+import re
 from pathlib import Path
 
 CUDA_GRAPHS_ON = ("; the trainable parameters' gradients and the loss are copied out of the graphs' memory "
@@ -14,27 +15,41 @@ CUDA_GRAPHS_ON = ("; the trainable parameters' gradients and the loss are copied
 
 
 def text(plan) -> str:
-    """The report as text: the fusions, the misses with their reasons, the lowering, the memory plan."""
-    lines = [f"graphopt report — graph {plan.graph}, target {plan.target}, {plan.nodes_captured} nodes captured"]
-    counts = ", ".join(f"{k} ×{v}" for k, v in plan.summary().items()) or "none"
-    lines.append(f"fusions ({len(plan.fusions)}): {counts}")
-    lines += [f"  {r.pattern:<20} {r.module:<48} {_type_text(r)}  {r.source}" for r in plan.fusions]
-    lines.append(f"misses ({len(plan.misses)})")
-    lines += [f"  {r.pattern:<20} {r.module:<48} {_type_text(r)}  {r.source}\n"
-              f"  {'':<20} why: {r.reason}" for r in plan.misses]
+    """The report as text: a summary, one line per layer, the misses in the order to fix them (the reason that
+    keeps most subgraphs unfused first), the lowering, the memory plan, the notes."""
+    lines = [f"graphopt report — graph {plan.graph}, target {plan.target}, {plan.nodes_captured} nodes captured",
+             "summary", f"  fusions ({len(plan.fusions)}): {_counts(plan.fusions)}",
+             f"  misses ({len(plan.misses)}): {_counts(plan.misses)}"]
+    saved = plan.saved_for_backward
+    if saved:
+        offload = saved.get("offload")
+        lines.append(f"  memory: estimated peak {_bytes_text(saved['estimate']['estimated_peak_bytes'])}; saved for "
+                     f"the backward {_bytes_text(saved['bytes'])} ({saved['tensors']} activations), recomputed "
+                     f"{saved['recomputed']['ops']} ops"
+                     + (f", offloaded {_bytes_text(offload['bytes'])}" if offload else ""))
+    if plan.cuda_graphs:
+        lines.append(f"  CUDA graphs: {'on' if plan.cuda_graphs['on'] else 'off'}")
+    lines.append("per layer: fused / missed")
+    for layer, (fused, missed) in _by_layer(plan).items():
+        lines.append(f"  {layer:<48} {_counts(fused)}" + (f" / missed {_counts(missed)}" if missed else ""))
+    if plan.misses:
+        lines.append(f"misses ({len(plan.misses)}), the most common reason first")
+        for (pattern, reason), records in _by_reason(plan.misses):
+            lines.append(f"  {pattern} ×{len(records)}, why: {reason}")
+            lines += [f"    {r.module:<48} {_type_text(r)}  {r.source}" for r in records]
     lines.append("lowering")
     lines += [f"  {r.op} ×{r.count} → {r.implementation}" + (f"  ({r.note})" if r.note else "")
               for r in plan.lowering]
-    if plan.saved_for_backward:
+    if saved:
         lines.append(_saved_text(plan))
         lines += _memory_lines(plan)
-        offload = plan.saved_for_backward.get("offload")
+        offload = saved.get("offload")
         lines.append("  per layer: saved" + (" (of which offloaded)" if offload else "")
                      + " / recomputed in the backward (FLOPs of the recompute)")
         lines += [f"    {layer:<48} {_bytes_text(e['saved_bytes'])}"
                   + (f" ({_bytes_text(e.get('offloaded_bytes', 0))})" if offload else "")
                   + f" / {_bytes_text(e['recomputed_bytes'])} ({_flops_text(e['recomputed_flops'])})"
-                  for layer, e in plan.saved_for_backward["per_layer"].items()]
+                  for layer, e in saved["per_layer"].items()]
     if plan.cuda_graphs:
         lines.append(_cuda_graphs_text(plan))
     if plan.notes:
@@ -42,10 +57,41 @@ def text(plan) -> str:
         lines += [f"  {note}" for note in plan.notes]
     return "\n".join(lines)
 
+
+def _counts(records) -> str:
+    counts = {}
+    for r in records:
+        counts[r.pattern] = counts.get(r.pattern, 0) + 1
+    return ", ".join(f"{k} ×{v}" for k, v in counts.items()) or "none"
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def _by_layer(plan) -> dict:
+    """{layer: (its fusions, its misses)}, a layer being the module path up to its index in a ModuleList
+    (model.layers.3), or the module itself outside one, in the order the graph meets them."""
+    layers = {}
+    for kind, records in ((0, plan.fusions), (1, plan.misses)):
+        for r in records:
+            match = _LAYER.match(r.module)
+            layers.setdefault(match.group(1) if match else r.module, ([], []))[kind].append(r)
+    return layers
+
+
+def _by_reason(misses) -> list:
+    """[((pattern, reason), records)]: the misses grouped by what keeps them unfused, the largest group first."""
+    groups = {}
+    for r in misses:
+        groups.setdefault((r.pattern, r.reason), []).append(r)
+    return sorted(groups.items(), key=lambda group: -len(group[1]))
+
+
 def _cuda_graphs_text(plan) -> str:
     graphs = plan.cuda_graphs
     return (f"CUDA graphs: {'on' if graphs['on'] else 'off'} ({graphs['why']})"
             + (CUDA_GRAPHS_ON if graphs["on"] else ""))
+
 
 def _memory_lines(plan) -> list:
     saved, lines = plan.saved_for_backward, []
@@ -87,6 +133,7 @@ def _memory_lines(plan) -> list:
             f"{b['node']} ({b['op']}) {_bytes_text(b['bytes'])}" for b in estimate["at_peak"]))
     return lines
 
+
 def _saved_text(plan) -> str:
     saved = plan.saved_for_backward
     largest = ", ".join(f"{t['dtype']}[{', '.join(map(str, t['shape']))}] ×{t['count']}" for t in saved["largest"])
@@ -95,6 +142,7 @@ def _saved_text(plan) -> str:
             f"inputs (weights, ids), {_bytes_text(saved['inputs_kept_bytes'])}; recomputed in the backward: "
             f"{saved['recomputed']['ops']} ops writing {_bytes_text(saved['recomputed']['bytes'])}, "
             f"{_flops_text(saved['recomputed']['flops'])}")
+
 
 def html(plan) -> str:
     """The report as one self-contained HTML page."""
@@ -119,10 +167,35 @@ def html(plan) -> str:
         + table("Fusions", plan.fusions, False) + table("Misses", plan.misses, True)
         + "<h2>Lowering</h2><table><tr><th>op</th><th>count</th><th>implementation</th><th>note</th></tr>"
         + lowering + "</table>"
-        + (f"<p>{html_text.escape(_saved_text(plan))}</p>" if plan.saved_for_backward else "")
+        + (_memory_html(plan) if plan.saved_for_backward else "")
         + (f"<p>{html_text.escape(_cuda_graphs_text(plan))}</p>" if plan.cuda_graphs else "")
         + "".join(f"<p>{html_text.escape(note)}</p>" for note in plan.notes) + "</body></html>"
     )
+
+
+def _memory_html(plan) -> str:
+    """The memory plan as the text has it: what is saved, the budget decision and the estimated peak, and the
+    per-layer table."""
+    saved = plan.saved_for_backward
+    offload = bool(saved.get("offload"))
+    head = ("<tr><th>layer</th><th>saved MiB</th>" + ("<th>offloaded MiB</th>" if offload else "")
+            + "<th>recomputed MiB</th><th>recomputed GFLOP</th></tr>")
+    rows = "".join(
+        f"<tr><td>{html_text.escape(layer)}</td><td>{_mib(e['saved_bytes'])}</td>"
+        + (f"<td>{_mib(e.get('offloaded_bytes', 0))}</td>" if offload else "")
+        + f"<td>{_mib(e['recomputed_bytes'])}</td><td>{_gflop(e['recomputed_flops'])}</td></tr>"
+        for layer, e in saved["per_layer"].items())
+    return ("<h2>Memory plan</h2>" + "".join(f"<p>{html_text.escape(line.strip())}</p>"
+                                            for line in [_saved_text(plan)] + _memory_lines(plan))
+            + f"<table>{head}{rows}</table>")
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.1f}" if isinstance(n, int) else html_text.escape(str(n))
+
+
+def _gflop(n) -> str:
+    return f"{n / 1e9:,.3f}" if isinstance(n, int) else html_text.escape(str(n))
 
 
 def render(plan, suffix: str) -> str:

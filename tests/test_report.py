@@ -78,6 +78,8 @@ def test_a_compiled_graphs_plan_reads_back_as_it_renders():
     assert plan.saved_for_backward["memory_budget"] == 0.5 and plan.options["memory_budget"] == 0.5
     again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
     assert again.to_text() == plan.to_text() and again.to_html() == plan.to_html()
+    page = plan.to_html()  # the memory plan as the text has it: the estimate, and the per-layer table
+    assert "<h2>Memory plan</h2>" in page and "estimated peak of the step" in page and "<th>saved MiB</th>" in page
 
 
 @pytest.mark.parametrize("data", [{"schema_version": 1, "graph": 0}, {"schema": "graphopt.plan/0"}, []])
@@ -103,15 +105,27 @@ def test_summary_counts_fusions_per_pattern():
 def test_to_text():
     text = sample_report().to_text()
     assert "graph 3" in text and "target cuda" in text and "412 nodes captured" in text
-    assert "fusions (2): rms_norm ×2" in text
-    assert LAYER0 in text and "transformers/models/llama/modeling_llama.py:71" in text
-    assert "bfloat16[2, s0, 2048]" in text
-    assert "misses (1)" in text
-    assert TRICKY in text and "why: epsilon is not a constant & <x>" in text  # plain text: not escaped
+    summary = text.split("per layer")[0]
+    assert "  fusions (2): rms_norm ×2" in summary and "  misses (1): rms_norm ×1" in summary
+    assert "  CUDA graphs: on" in summary
+    # one line per layer, not per fused op; the misses with their sources, grouped by reason
+    assert f"\n  {'base_model.model.model.layers.0':<48} rms_norm ×1\n" in text
+    assert "\n  base_model.model.model.norm" in text and "\n  model.layers.1 " in text
+    assert "none / missed rms_norm ×1" in text
+    assert "misses (1), the most common reason first\n  rms_norm ×1, why: epsilon is not a constant & <x>" in text
+    assert TRICKY in text and "float32[4, 64]  my_model.py:10" in text  # plain text: not escaped
     assert "graphopt.rms_norm.default ×2 → Triton kernel kernels/rmsnorm.py:_rms_norm_forward_kernel" in text
     assert "(in the backward graph, when gradients are needed)" in text
     assert ('CUDA graphs: on (cuda_graphs="auto": static shapes on an NVIDIA GPU); the trainable parameters\' '
             "gradients and the loss are copied out") in text
+
+
+def test_misses_are_listed_the_most_common_reason_first():
+    plan = Plan(graph=0)
+    plan.misses = [Record("lora", f"m.layers.{i}.q_proj", "x.py:1", "float32", [1], reason=why)
+                   for i, why in enumerate(["dropout", "DoRA", "DoRA", "DoRA"])]
+    text = plan.to_text()
+    assert text.index("lora ×3, why: DoRA") < text.index("lora ×1, why: dropout")
 
 
 def test_to_html_escapes():
