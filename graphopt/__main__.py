@@ -1,5 +1,6 @@
 """Command line: `python -m graphopt demo [--steps N ...]`, `python -m graphopt doctor`, or
-`python -m graphopt optimize MODEL --out DIR`, `python -m graphopt explain MODEL` (also installed as `graphopt`)."""
+`python -m graphopt optimize MODEL --out DIR`, `python -m graphopt explain MODEL`, `python -m graphopt report FILE`
+(also installed as `graphopt`)."""
 
 import sys
 
@@ -9,7 +10,8 @@ def main(argv=None) -> None:
     commands = {"demo": "LoRA fine-tune of a tiny model through backend='graphopt', then the fusion report",
                 "doctor": "this machine's device, versions, and a self-test of every graphopt op on it",
                 "optimize": "compile a model's training step once and save the plan and compiled files for reuse",
-                "explain": "what graphopt would do to a model (fusions, misses, memory plan), without weights or a GPU"}
+                "explain": "what graphopt would do to a model (fusions, misses, memory plan), without weights or a GPU",
+                "report": "render a saved report (.json) again, as text or HTML"}
     if not argv or argv[0] not in commands:
         print("usage: python -m graphopt COMMAND [options]\n\ncommands:")
         for name, text in commands.items():
@@ -27,6 +29,10 @@ def main(argv=None) -> None:
         from graphopt import explain
 
         return explain.main(argv[1:])
+    if argv[0] == "report":
+        from graphopt import report
+
+        return report.main(argv[1:])
     from graphopt import demo
 
     demo.main(argv[1:])

@@ -223,6 +223,29 @@ def _type_text(r) -> str:
     return f"{r.dtype}[{', '.join(str(s) for s in r.shape)}]"
 
 
+def main(argv=None) -> None:
+    """`graphopt report FILE.json [--html OUT | --text]`: a saved report (one plan, or the list a plan directory's
+    report.json holds) rendered again."""
+    import argparse
+
+    from graphopt.plan import Plan
+
+    parser = argparse.ArgumentParser(prog="graphopt report", description=main.__doc__.split(":")[1].strip())
+    parser.add_argument("file", help="a report .json (report=\"….json\", or a plan directory's report.json)")
+    parser.add_argument("--html", metavar="OUT", help="write the HTML report there instead of printing the text")
+    parser.add_argument("--text", action="store_true", help="print the text report (the default)")
+    args = parser.parse_args(argv)
+    data = json.loads(Path(args.file).read_text())
+    try:
+        plans = [Plan.from_json(d) for d in (data if isinstance(data, list) else [data])]
+    except ValueError as error:
+        raise SystemExit(f"{args.file}: {error}") from None
+    if args.html:
+        Path(args.html).write_text("\n".join(html(plan) for plan in plans))
+    else:
+        print("\n\n".join(text(plan) for plan in plans))
+
+
 # --- the plans of this process ------------------------------------------------------------------------
 
 _PLANS: list = []

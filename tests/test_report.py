@@ -331,3 +331,17 @@ def test_record_for():
     rec = describe.record_for(node, "rms_norm", reason="because")
     assert rec == Record("rms_norm", "model.norm", "transformers/models/llama/modeling_llama.py:71", "float32",
                          [4, 8], "because", "model.norm/to#0")
+
+
+def test_the_command_line_renders_a_saved_report(tmp_path, capsys):
+    write(sample_report(), tmp_path / "r.json")
+    report_mod.main([str(tmp_path / "r.json")])
+    assert capsys.readouterr().out.strip() == sample_report().to_text()
+    report_mod.main([str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html")])
+    assert (tmp_path / "r.html").read_text() == sample_report().to_html()
+    (tmp_path / "list.json").write_text(json.dumps([sample_report().to_json(), Plan(graph=4).to_json()]))
+    report_mod.main([str(tmp_path / "list.json")])
+    assert "graph 3" in capsys.readouterr().out
+    (tmp_path / "old.json").write_text(json.dumps({"schema_version": 1}))
+    with pytest.raises(SystemExit, match="old.json: not a graphopt.plan/1 plan"):
+        report_mod.main([str(tmp_path / "old.json")])
