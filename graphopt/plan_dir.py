@@ -167,7 +167,7 @@ def apply(options, plan: Plan):
     """(the options a graph compiles under, its saved plan or None) for a graph compiled with options.plan: the
     saved decisions of the graph with the same inputs (the fusions enabled, the memory budget and offload chosen,
     CUDA graphs on or off), else the options the plan was made with."""
-    directory = load(options.plan)
+    directory = load(options.plan, (options.plan / MANIFEST).read_text())
     directory.check_target(plan.target)
     saved = directory.plan_for(plan)
     made = dict((saved or directory.graphs[0]).options)
@@ -199,11 +199,12 @@ def check_same_fusions(saved: Plan, plan: Plan) -> None:
 
 
 @functools.cache
-def load(path: Path) -> PlanDir:
-    """The plan directory at path, verified: every file's SHA-256 as the manifest says, then graphopt's code,
-    torch's version and this machine's device kind as when it was made. Its compiled files go into this process's
-    cache folders once per process."""
-    manifest = json.loads((path / MANIFEST).read_text())
+def load(path: Path, manifest: str) -> PlanDir:
+    """The plan directory at path whose manifest reads manifest, verified: every file's SHA-256 as the manifest
+    says, then graphopt's code, torch's version and this machine's device kind as when it was made. Its compiled
+    files go into this process's cache folders once per process and manifest (a directory written again is read
+    again)."""
+    manifest = json.loads(manifest)
     for name in FILES:
         if name not in manifest or _sha256(path / name) != manifest[name]:
             raise OptionError(f"plan={str(path)!r}: {name} does not match the SHA-256 of {MANIFEST} (changed since "

@@ -220,3 +220,14 @@ def test_a_factory_model_is_trained_as_it_is_or_given_lora():
     assert based.peft_config["default"].r == 16
     with pytest.raises(SystemExit, match="neither an HF model directory"):
         load_model("no-such-thing", torch.float32, "cpu")
+
+
+def test_a_plan_directory_written_again_is_read_again(tmp_path):
+    """Within one process: optimize into a directory, compile with it, optimize into it again with other options;
+    the next compile gets the new decisions."""
+    model = tiny_lora_model("llama")
+    for budget in (1, 0):
+        with fresh_cache():
+            graphopt.optimize(model, {"input_ids": IDS, "labels": IDS}, tmp_path, {"memory_budget": budget})
+            train(model, {"plan": str(tmp_path)}, steps=1)
+        assert graphopt.last_report().saved_for_backward["memory_budget"] == budget
