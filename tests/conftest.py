@@ -1,7 +1,10 @@
 """Shared test setup, kept minimal: the Triton interpreter for CPU-only runs, Inductor's FX graph cache off, one
-hypothesis profile, and a fresh Dynamo for tests that compile under their own options."""
+hypothesis profile, a fresh Dynamo for tests that compile under their own options, and every plan a test publishes
+checked against docs/plan.schema.json."""
 
+import json
 import os
+from pathlib import Path
 
 import torch  # does not import triton
 
@@ -14,6 +17,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch._inductor.config  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from jsonschema import Draft202012Validator  # noqa: E402
 
 # Each test compiles its graphs afresh: writing every compile to the cache cost the suite ~9% and served nothing
 # (few tests compile the same graph), and a hit would skip the compile path a test means to exercise.
@@ -36,3 +40,18 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+PLAN_SCHEMA = Draft202012Validator(json.loads((Path(__file__).parents[1] / "docs" / "plan.schema.json").read_text()))
+
+
+@pytest.fixture(autouse=True)
+def plans_follow_the_schema():
+    """Every plan a test publishes (graphopt.reports()) is valid against the schema docs/report-schema.md
+    documents."""
+    import graphopt
+
+    first = len(graphopt.reports())
+    yield
+    for plan in graphopt.reports()[first:]:
+        PLAN_SCHEMA.validate(plan.to_json())
