@@ -188,9 +188,10 @@ def test_report_option_writes_every_format(tmp_path):
         torch._dynamo.reset()
         path = tmp_path / f"report{suffix}"
         compiled = torch.compile(model, backend="graphopt", options={"report": str(path)})
-        compiled(input_ids=ids, labels=ids).loss.backward()  # the backward's compilation rewrites the file
+        compiled(input_ids=ids, labels=ids).loss.backward()  # written once the graph compiled, memory plan in it
         text = path.read_text()
-        assert "base_model.model.model.layers.1.post_attention_layernorm" in text
+        assert "base_model.model.model.layers.1" in text
+        assert ("estimated_peak_bytes" if suffix == ".json" else "estimated peak of the step") in text
     import json
 
     data = json.loads((tmp_path / "report.json").read_text())
