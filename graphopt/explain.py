@@ -11,6 +11,7 @@ import json
 
 import torch
 
+from graphopt import model_source
 from graphopt.options import parse_options
 from graphopt.passes.registry import FUSIONS
 from graphopt.pipeline import compile_graph
@@ -34,10 +35,7 @@ def explain(model: torch.nn.Module, example_inputs: dict, options: dict = None, 
 
     torch._dynamo.reset()
     try:
-        outputs = torch.compile(model, backend=backend)(**example_inputs)
-        loss = outputs["loss"] if isinstance(outputs, dict) and "loss" in outputs else None
-        if isinstance(loss, torch.Tensor) and loss.requires_grad:
-            loss.backward()
+        model_source.training_step(torch.compile(model, backend=backend), example_inputs)
     finally:
         torch._dynamo.reset()
     plans = reports()[first:]
@@ -48,20 +46,11 @@ def explain(model: torch.nn.Module, example_inputs: dict, options: dict = None, 
 
 def main(argv=None) -> None:
     """`graphopt explain MODEL [--batch B --seq S --target T --options JSON]`."""
-    from graphopt.model_source import example_inputs, load_model
-
     parser = argparse.ArgumentParser(prog="graphopt explain", description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="an HF model directory (a config.json suffices) or module:factory")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    model_source.add_arguments(parser)
     parser.add_argument("--target", default="cuda", help="the device kind to plan for: cuda, hip, npu, mps, cpu")
-    parser.add_argument("--lora-rank", type=int, default=16,
-                        help="LoRA rank on the usual projections of a model without adapters (0: as it is)")
-    parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"memory_budget\": 0}'")
     args = parser.parse_args(argv)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    model = load_model(args.model, dtype, "meta", args.lora_rank)
-    inputs = example_inputs(model, args.batch, args.seq, "meta")
+    model = model_source.load_model(args.model, model_source.DTYPES[args.dtype], "meta", args.lora_rank)
+    inputs = model_source.example_inputs(model, args.batch, args.seq, "meta")
     for plan in explain(model, {**inputs, "use_cache": False}, json.loads(args.options), args.target):
         print(plan.to_text())

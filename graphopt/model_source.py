@@ -1,4 +1,5 @@
-"""The MODEL argument of the command line (`graphopt optimize MODEL`): an HF model directory, or `module:factory`.
+"""The MODEL argument of the command line (`graphopt optimize MODEL`, `graphopt explain MODEL`): an HF model
+directory, or `module:factory`; the arguments both commands share, and the training step both compile.
 
 An HF directory with weights loads them; with a config.json alone the model is built from it with random
 weights (the plan depends on shapes, not values). On the meta device (`graphopt explain`) nothing is loaded or
@@ -13,6 +14,28 @@ from pathlib import Path
 import torch
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def add_arguments(parser) -> None:
+    """MODEL and the batch it is compiled for, its dtype, LoRA and graphopt's options."""
+    parser.add_argument("model", help="an HF model directory (a config.json alone builds it with random weights), "
+                                      "or module:factory")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--lora-rank", type=int, default=16,
+                        help="LoRA rank on the usual projections of a model without adapters (0: as it is)")
+    parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"memory_budget\": 0}'")
+
+
+def training_step(forward, inputs: dict) -> None:
+    """The step optimize and explain compile: the forward on inputs, then the backward of its loss when it has
+    one that needs gradients (an inference model compiles its forward alone)."""
+    outputs = forward(**inputs)
+    loss = outputs["loss"] if isinstance(outputs, dict) and "loss" in outputs else None
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        loss.backward()
 
 
 def load_model(source: str, dtype: torch.dtype, device: str, lora_rank: int = 16) -> torch.nn.Module:

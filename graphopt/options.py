@@ -125,8 +125,9 @@ def _plan_directory(plan, raw) -> Path:
                           f"graphopt.optimize(model, example_inputs, DIR) or `graphopt optimize`")
     both = [name for name in PLANNED if name in raw]
     if both:
-        raise OptionError(f"plan={str(plan)!r} brings its own {', '.join(both)}: leave {'them' if len(both) > 1 else 'it'}"
-                          f" out, or make the plan again with the options you want")
+        them = "them" if len(both) > 1 else "it"
+        raise OptionError(f"plan={str(plan)!r} brings its own {', '.join(both)}: leave {them} out, or make the "
+                          f"plan again with the options you want")
     return path
 
 

@@ -30,10 +30,10 @@ from graphopt.logits import hand_back
 from graphopt.lowering import registry as lowering_registry
 from graphopt.options import Options, check_cuda_graphs, cuda_graphs_decision
 from graphopt.passes.checkpoint import checkpointing_as_plan, inline_checkpoints
+from graphopt.passes.describe import graph_inputs
 from graphopt.passes.detach_cache import detach_cache
 from graphopt.passes.drop_logits import drop_logits
 from graphopt.passes.normalize import normalize
-from graphopt.passes.describe import graph_inputs
 from graphopt.passes.recompute import Partitioner
 from graphopt.passes.registry import FUSIONS
 from graphopt.plan import Plan

@@ -36,6 +36,7 @@ import graphopt
 from graphopt import report as render
 from graphopt.devices import detect
 from graphopt.fingerprint import code_fingerprint
+from graphopt import model_source
 from graphopt.options import PLANNED, OptionError, parse_options
 from graphopt.passes.registry import FUSIONS
 from graphopt.plan import Plan
@@ -66,10 +67,7 @@ def optimize(model: torch.nn.Module, example_inputs: dict, out_dir, options: dic
     try:
         # an empty cache folder of its own (Inductor's and Triton's), which then holds this compile alone
         with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True):
-            outputs = torch.compile(model, backend="graphopt", options=options)(**example_inputs)
-            loss = outputs["loss"] if isinstance(outputs, dict) and "loss" in outputs else None
-            if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                loss.backward()
+            model_source.training_step(torch.compile(model, backend="graphopt", options=options), example_inputs)
             with tarfile.open(out / "compiled.tar", "w") as archive:
                 archive.add(cache_dir(), arcname=".")
     finally:
@@ -103,23 +101,13 @@ def main(argv=None) -> None:
     """`graphopt optimize MODEL --out DIR [--batch B --seq S --options JSON]`."""
     import argparse
 
-    from graphopt.model_source import example_inputs, load_model
-
     parser = argparse.ArgumentParser(prog="graphopt optimize", description=optimize.__doc__.split(".")[0])
-    parser.add_argument("model", help="an HF model directory (a config.json alone builds it with random weights), "
-                                      "or module:factory")
+    model_source.add_arguments(parser)
     parser.add_argument("--out", required=True, help="the plan directory to write")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--lora-rank", type=int, default=16,
-                        help="LoRA rank on the usual projections of a model without adapters (0: train it as it is)")
-    parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"memory_budget\": 0}'")
     args = parser.parse_args(argv)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    model = load_model(args.model, dtype, args.device, args.lora_rank)
-    out = optimize(model, example_inputs(model, args.batch, args.seq, args.device), args.out,
+    model = model_source.load_model(args.model, model_source.DTYPES[args.dtype], args.device, args.lora_rank)
+    out = optimize(model, model_source.example_inputs(model, args.batch, args.seq, args.device), args.out,
                    json.loads(args.options))
     print((out / "report.txt").read_text())
     print(f"plan written to {out}; train with torch.compile(model, backend=\"graphopt\", "
@@ -179,7 +167,7 @@ def apply(options, plan: Plan):
     chosen = parse_options({k: v for k, v in made.items() if k in PLANNED}, FUSIONS)
     plan.notes.append(f"plan {options.plan}: " + (
         f"the decisions saved for its graph {saved.graph} (the same inputs): fusions, memory_budget "
-        f"{chosen.memory_budget:g}{' with offload' if chosen.offload else ''}, without a search; its compiled "
+        f"{chosen.memory_budget:g}{' with offload' if chosen.offload else ''}, without a search; its "
         f"compiled files loaded" if saved is not None else
         "no saved graph has these inputs (another batch shape?): compiled anew, with the options the plan was made "
         "with"))

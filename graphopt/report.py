@@ -8,6 +8,7 @@ the most recent; `graphopt.reports()` all of this process's, in order. JSON sche
 import html as html_text
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 CUDA_GRAPHS_ON = ("; the trainable parameters' gradients and the loss are copied out of the graphs' memory "
@@ -59,10 +60,7 @@ def text(plan) -> str:
 
 
 def _counts(records) -> str:
-    counts = {}
-    for r in records:
-        counts[r.pattern] = counts.get(r.pattern, 0) + 1
-    return ", ".join(f"{k} ×{v}" for k, v in counts.items()) or "none"
+    return ", ".join(f"{k} ×{v}" for k, v in Counter(r.pattern for r in records).items()) or "none"
 
 
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")

@@ -67,9 +67,11 @@ def _ancestors(node: Node) -> list:
     return [n for n in node.graph.nodes if n in seen]
 
 
+_OFF_THE_CPU = ("cuda", "xpu", "npu", "mps", "meta")  # meta: graphopt explain traces there
+
+
 def _on_cpu(arg):
-    return _CPU if isinstance(arg, (torch.device, str)) and str(arg).startswith(("cuda", "xpu", "npu", "mps", "meta")) \
-        else arg
+    return _CPU if isinstance(arg, (torch.device, str)) and str(arg).startswith(_OFF_THE_CPU) else arg
 
 
 def _evaluate(mask: Node) -> torch.Tensor:

@@ -67,13 +67,13 @@ def node_key(node: torch.fx.Node) -> str:
     call of that operation traced in that module (graph names and Python ids are not stable)."""
     def scope(n):
         stack = n.meta.get("nn_module_stack")
-        return list(stack.values())[-1][0] if stack else None
+        return next(reversed(stack.values()))[0] if stack else None
 
     here, position = scope(node), 0
-    for other in node.graph.nodes:
+    for other in node.graph.find_nodes(op=node.op, target=node.target):  # in graph order, from FX's index
         if other is node:
             break
-        position += other.target == node.target and scope(other) == here
+        position += scope(other) == here
     return f"{module_path(node)}/{_call_name(node)}#{position}"
 
 

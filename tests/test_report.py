@@ -327,7 +327,8 @@ def test_tensor_type():
 def test_record_for():
     import torch
     node = fake_node("L['self'].model.norm", stack_trace=SITE_TRACE, value=torch.empty(4, 8))
-    node.target, node.graph = "to", SimpleNamespace(nodes=[node])
+    node.op, node.target = "call_method", "to"
+    node.graph = SimpleNamespace(find_nodes=lambda op, target: [node])
     rec = describe.record_for(node, "rms_norm", reason="because")
     assert rec == Record("rms_norm", "model.norm", "transformers/models/llama/modeling_llama.py:71", "float32",
                          [4, 8], "because", "model.norm/to#0")
