@@ -434,11 +434,15 @@ def run(args):
     # lengths that vary, the timed steps' longest and shortest batches run too: a graph compiled for a range of
     # lengths (a guard such as "length ≤ 4096") is then compiled for every length the timed steps meet, once, as
     # a long run pays it once; timed_compiles says whether any compile was left.
+    # With --warmup-every-shape, one batch of each shape the timed steps meet: a graph recorded per size (CUDA
+    # graphs over length buckets) is then recorded before the timing, as a long run records each bucket once.
     warmup_batches = batches[:args.warmup]
     if args.data != "fixed":
         timed = batches[args.warmup:]
         warmup_batches += [max(timed, key=lambda b: b["input_ids"].numel()),
                            min(timed, key=lambda b: b["input_ids"].numel())]
+        if args.warmup_every_shape:
+            warmup_batches += list({tuple(b["input_ids"].shape): b for b in timed}.values())
     first_loss = None
     warmup_peaks = []  # allocated, per warm-up step
     graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -514,6 +518,7 @@ def run(args):
         "device": device.type,
         "steps": args.steps,
         "warmup": len(warmup_batches),
+        "timed_shapes": len({tuple(b["input_ids"].shape) for b in batches[args.warmup:]}),
         "tokens_per_s": timed_tokens / seconds,
         "warmup_s": warmup_s,
         "warmup_compiles": warmup_compiles,
@@ -647,6 +652,9 @@ def parse_args(argv):
                         help="--data padded: pad each batch to a multiple of N (length buckets, as the collators' "
                              "pad_to_multiple_of), so a graph recorded per size (cuda_graphs=True) is recorded once "
                              "per bucket")
+    parser.add_argument("--warmup-every-shape", action="store_true",
+                        help="--data padded or packed: warm up on one batch of each shape the timed steps meet too "
+                             "(the steady state of a long run, where what is recorded per size has been recorded)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST), default="none",
                         help="run the forward under torch.autocast of this dtype (HF's bf16=True: --dtype fp32 "

@@ -6,6 +6,7 @@ hardware (there was none to tune on). Every kernel is compiled for gfx942, gfx90
 (tests/test_aot.py)."""
 
 import functools
+import weakref
 
 import torch
 
@@ -62,3 +63,26 @@ def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     """t as a [rows, n_cols] matrix with unit column stride: a view when possible, else a contiguous copy."""
     rows = t.reshape(-1, n_cols)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def once_per_tensor(derive):
+    """derive(t), computed once for a tensor that every layer of a graph reads (packed batches' position_ids) and
+    reused while that same tensor, unchanged, comes back: the other layers of the forward, the backward, a
+    recomputed forward. Only the last tensor is kept (a new batch replaces it). A tensor is the same one when it is
+    the same object with the same version counter, which every in-place write through torch bumps; a Triton kernel
+    writing into a buffer does not, so t must be a graph input (which compiled code never writes), not a buffer
+    the graph computes. Inference tensors have no version counter and are derived at every call."""
+    last = [None, -1, None]  # a weak reference to the tensor, its version, derive's result
+
+    @functools.wraps(derive)
+    def once(t):
+        if t.is_inference():
+            return derive(t)
+        ref, version, result = last
+        if ref is not None and ref() is t and version == t._version:
+            return result
+        result = derive(t)
+        last[:] = weakref.ref(t), t._version, result
+        return result
+
+    return once

@@ -4,19 +4,22 @@ _flash_attention_forward/_backward) with one causal sequence per document of the
 The tokens are already one document after another, so [B, H, L, D] is handed over as the flat [B·L, H, D] layout
 it is stored in (HF's q, k and v are transposed views of [B, L, H, D]: no copy). The documents' bounds come from
 position_ids on the device; their count and the longest document are read on the host (the kernels size their
-grid by them), one wait for the GPU per call, as HF's own flash path waits. That wait is why the op is not captured
-in CUDA graphs (lowering/ops.py).
+grid by them), one wait for the GPU per batch: every layer's forward and backward reads the same position_ids, and
+finds its documents once (layout.once_per_tensor). HF's own flash path waits in every layer. That wait is why the
+op is not captured in CUDA graphs (lowering/ops.py).
 """
 
 import torch
 
+from graphopt.kernels.layout import once_per_tensor
 from graphopt.kernels.padded_attention import longest_for_kernels
 from graphopt.kernels.reference import document_starts
 
 
+@once_per_tensor
 def _documents(position_ids):
     """(cumulative document starts [n + 1] int32 over the flattened batch, the longest document's length). The
-    document count and the longest come to the host in one transfer, the call's one wait for the GPU."""
+    document count and the longest come to the host in one transfer, the batch's one wait for the GPU."""
     batch, length = position_ids.shape
     starts = document_starts(position_ids).flatten()
     index = torch.arange(batch * length, device=position_ids.device)

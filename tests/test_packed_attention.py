@@ -113,6 +113,23 @@ def test_documents_are_runs_of_consecutive_positions():
     assert torch.equal(starts.cumsum(-1) - 1, documents(position_ids) - documents(position_ids)[:, :1])
 
 
+def test_once_per_tensor_reuses_only_the_same_unchanged_tensor():
+    """The documents are found once for the position_ids every layer reads: again for another tensor (equal or
+    not), after an in-place write, and at every call of an inference tensor (which counts no versions)."""
+    from graphopt.kernels.layout import once_per_tensor
+
+    calls = []
+    derive = once_per_tensor(lambda t: calls.append(t.tolist()) or t.sum().item())
+    first = torch.tensor([0, 1, 2])
+    assert [derive(first), derive(first)] == [3, 3] and len(calls) == 1
+    assert derive(first.clone()) == 3 and len(calls) == 2
+    first.add_(1)
+    assert derive(first) == 6 and len(calls) == 3
+    with torch.inference_mode():
+        frozen = torch.tensor([1, 1])
+        assert [derive(frozen), derive(frozen)] == [2, 2] and len(calls) == 5
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="the flash kernels run on CUDA")
 def test_cuda_runs_the_flash_kernels():
     """bf16 on CUDA takes the variable-length flash kernels (no [L × L] scores)."""
@@ -187,3 +204,22 @@ def test_hf_packed_batches_fuse_and_train_the_same(arch, fresh_dynamo):
             continue
         assert report.summary().get("attention_packed") == layers
         assert not [m for m in report.misses if m.pattern.startswith("attention")]
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="the flash kernels run on CUDA")
+def test_documents_found_once_a_batch(monkeypatch, fresh_dynamo):
+    """Every layer's forward and backward reads the same position_ids: the documents are found, and the GPU waited
+    for, once a batch rather than once a layer."""
+    from graphopt.kernels import packed_attention
+
+    found = []
+    starts = packed_attention.document_starts
+    monkeypatch.setattr(packed_attention, "document_starts", lambda p: found.append(1) or starts(p))
+    model = tiny_lora_model("llama", vocab_size=VOCAB, use_cache=False).to("cuda", torch.bfloat16)
+    compiled = torch.compile(model, backend="graphopt")
+    flatten = transformers.DataCollatorWithFlattening()
+    for rows in (sentences()[0:4], sentences()[4:8]):
+        batch = {k: v.cuda() for k, v in flatten(rows).items()}
+        compiled(**batch).loss.backward()
+    assert graphopt.last_report().summary().get("attention_packed") == model.config.num_hidden_layers
+    assert len(found) == 2
