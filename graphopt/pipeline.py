@@ -87,7 +87,7 @@ def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
                                                    for x in example_inputs)
         plan.cuda_graphs = dict(zip(("on", "why"), cuda_graphs_decision(options, lowering, dynamic, training)))
     try:
-        compiled = _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain)
+        compiled = _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain, saved)
     except RestartAnalysis:  # Dynamo abandons this graph (e.g. to make a float a tensor) and hands over another
         raise
     except Exception:  # 7. report: what was decided before the failure, to read the error against
@@ -99,7 +99,7 @@ def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
     return hand_back(compiled, dropped)
 
 
-def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain):
+def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain, saved):
     # CUDA graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition).
     # What outlives a step leaves the graphs' memory pool (passes/graph_pool.py): the leaves' gradients.
     graphs = bool(plan.cuda_graphs and plan.cuda_graphs["on"])
@@ -110,7 +110,8 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
     # 5. partition: a stage of its own, called by aot_autograd once it has the joint graph; it adds the memory
     # plan to the plan
     partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
-                              lowering.offload_copies, plan, leaf_inputs, weights_bytes)
+                              lowering.offload_copies, plan, leaf_inputs, weights_bytes,
+                              requested=plan_dir.requested_partition(saved))
     if lowering.inductor and not explain:
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.
@@ -119,13 +120,18 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
         settings = dict(custom_partitioner_fn=partitioner)
         if graphs:
             settings.update({"triton.cudagraphs": True, "graph_partition": True})
-        if options.plan:  # the plan directory's compiled graphs are served from Inductor's cache
-            settings["fx_graph_cache"] = True
         # Inductor's FX graph cache serves the forward and backward graphs to a later process (the partitioner's
-        # uuid keys them with graphopt's code); AOTAutograd's cache, which would skip the
-        # partitioner and so the memory plan the report shows, stays off.
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, config_patches=settings, decompositions=decompositions)
+        # uuid keys them with graphopt's code and settings). AOTAutograd's cache, which serves both already
+        # partitioned, skips the partitioner and so the decision the plan records: it is on only where the
+        # decision is saved, in a plan directory (written by graphopt.optimize, read with options.plan).
+        with_decision = bool(options.plan) or plan_dir.writing()
+        if with_decision:
+            settings["fx_graph_cache"] = True
+        with torch._functorch.config.patch(enable_autograd_cache=with_decision):
+            compiled = compile_fx(gm, example_inputs, config_patches=settings, decompositions=decompositions)
+        if saved is not None and plan.saved_for_backward is None:  # served by AOTAutograd's cache
+            plan.saved_for_backward = saved.saved_for_backward
+        return compiled
 
     return aot_autograd(
         fw_compiler=boxed_nop,

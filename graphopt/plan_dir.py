@@ -20,6 +20,7 @@ benchmarks/RESULTS.md). torch.compile(...).aot_compile(), which would also skip 
 passes, needs AOTAutograd's cache, which skips the partitioner and so the memory plan (graphopt/pipeline.py).
 """
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -66,7 +67,7 @@ def optimize(model: torch.nn.Module, example_inputs: dict, out_dir, options: dic
     torch._dynamo.reset()  # the graphs compile here, not from Dynamo's memory of an earlier compile
     try:
         # an empty cache folder of its own (Inductor's and Triton's), which then holds this compile alone
-        with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True):
+        with fresh_cache(), _writing_plan():
             model_source.training_step(torch.compile(model, backend="graphopt", options=options), example_inputs)
             with tarfile.open(out / "compiled.tar", "w") as archive:
                 archive.add(cache_dir(), arcname=".")
@@ -149,6 +150,32 @@ class PlanDir:
         if target != self.saved["device"]["target"]:
             raise OptionError(f"plan={str(self.path)!r} was made for target {self.saved['device']['target']!r} "
                               f"({self.saved['device']['name']}), and this graph runs on {target!r}; {HOW_TO_FIX}")
+
+
+_WRITING = [False]
+
+
+@contextlib.contextmanager
+def _writing_plan():
+    _WRITING[0] = True
+    try:
+        yield
+    finally:
+        _WRITING[0] = False
+
+
+def writing() -> bool:
+    """Whether graphopt.optimize is compiling: each graph's compiled files then include AOTAutograd's entry, which a
+    process given the plan loads without tracing the backward or partitioning again (graphopt/pipeline.py)."""
+    return _WRITING[0]
+
+
+def requested_partition(saved: Plan | None) -> dict | None:
+    """The partition settings a saved graph was compiled with (its key in the caches, passes/recompute.py), or
+    None without a saved graph."""
+    if saved is None:
+        return None
+    return {name: saved.options[name] for name in ("memory_budget", "offload", "max_memory_gib")}
 
 
 def apply(options, plan: Plan):

@@ -31,10 +31,14 @@ def drop_logits(gm: GraphModule, report) -> list:
         leading = value(hidden).dim() - 1
         with gm.graph.inserting_before(output):
             first = gm.graph.call_function(operator.getitem, (hidden, (Ellipsis, slice(0, 1))))
+            first.meta = dict(hidden.meta, example_value=value(hidden)[..., :1])
             # detached: an output that requires grad gets a gradient in the backward, and autograd materializes
             # the unused one as zeros of the logits' full shape (2 GiB at the 1B shape's batch)
             first = gm.graph.call_method("detach", (first,))
-            stand_in = gm.graph.call_method("expand", (first, *[-1] * leading, value(logits).shape[-1]))
+            first.meta = dict(hidden.meta, example_value=first.args[0].meta["example_value"].detach())
+            shape = (*[-1] * leading, value(logits).shape[-1])
+            stand_in = gm.graph.call_method("expand", (first, *shape))
+            stand_in.meta = dict(logits.meta, example_value=first.meta["example_value"].expand(*shape))
         here = [i for i, node in enumerate(outputs) if node is logits]
         for i in here:
             outputs[i] = stand_in

@@ -26,6 +26,7 @@ this module adds:
 """
 
 import hashlib
+import json
 import math
 
 import torch
@@ -63,8 +64,13 @@ class Partitioner(CustomPartitionerFn):
     The decision becomes the plan's saved_for_backward (graphopt/plan.py)."""
 
     def __init__(self, memory_budget, offload: bool, max_memory_gib, offload_copies: bool, plan,
-                 leaf_inputs=None, weights_bytes=0):
+                 leaf_inputs=None, weights_bytes=0, requested=None):
         self.memory_budget, self.offload, self.max_memory_gib = memory_budget, offload, max_memory_gib
+        # The settings asked for, which decide the partition of a given graph: memory_budget, offload and
+        # max_memory_gib as the options gave them. A plan directory's graph runs with the saved decision instead
+        # (memory_budget fixed, no search) but asks as the compile that made it did, and so keys the same.
+        self.requested = requested or {"memory_budget": memory_budget, "offload": offload,
+                                       "max_memory_gib": max_memory_gib}
         self.weights_bytes = weights_bytes  # of the parameters among the graph's inputs: "auto" without a limit
         self.offload_copies = offload_copies  # the target's lowering moves the data (else: the plan is reported)
         self.plan = plan
@@ -78,7 +84,7 @@ class Partitioner(CustomPartitionerFn):
         else:
             chosen, tried = self._plan(joint, joint_inputs, kwargs, self.memory_budget, self.offload), []
         budget, offload, (forward, backward), plan, estimate = chosen
-        decision = {"memory_budget": budget, "requested": self.memory_budget,
+        decision = {"memory_budget": budget, "requested": self.requested["memory_budget"],
                     **saved_for_backward(backward), "estimate": estimate.to_json(),
                     "offload": None}
         if plan is not None:
@@ -158,14 +164,16 @@ class Partitioner(CustomPartitionerFn):
         return best, tried
 
     def uuid(self):
-        """The partitioner's part of the keys Inductor's caches file a partitioned graph under: graphopt's code
-        (graphopt/fingerprint.py). Not the settings: what they decide (what is saved, recomputed, offloaded,
-        copied out of the graphs' pool) is in the partitioned graph, which the key holds, so a plan applied with
-        its decisions fixed (graphopt/plan_dir.py) finds the graphs the search made."""
-        return hashlib.sha256(code_fingerprint().encode()).hexdigest()
+        """The partitioner's part of the keys Inductor's and AOTAutograd's caches file a graph under: graphopt's
+        code (graphopt/fingerprint.py) and what decides the partition besides the graph (the settings asked for,
+        whether the lowering moves offloaded data, whether the gradients leave a CUDA graphs' pool). The same graph
+        asked the same way is partitioned the same way: AOTAutograd's cache, which holds the partitioned graphs,
+        may then serve it without running the partitioner (graphopt/plan_dir.py)."""
+        return hashlib.sha256(json.dumps(self.__getstate__(), sort_keys=True).encode()).hexdigest()
 
-    def __getstate__(self):  # Inductor pickles its config into the FX graph cache's key: the code stands for it
-        return {"code": code_fingerprint()}
+    def __getstate__(self):  # Inductor pickles its config into the caches' keys: this stands for the partitioner
+        return {"code": code_fingerprint(), "requested": self.requested, "offload_copies": self.offload_copies,
+                "leaf_inputs": self.leaf_inputs, "weights_bytes": self.weights_bytes}
 
     def __deepcopy__(self, memo):  # Inductor copies its config for the backward's compile: this compile's partitioner
         return self
