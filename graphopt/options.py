@@ -145,6 +145,10 @@ def cuda_graphs_decision(options: Options, lowering, dynamic: bool, training: bo
     shapes would be recorded once per size met); offload's copies are captured with the rest. Not for
     inference graphs: every call would overwrite the last call's outputs, which evaluation loops keep (training
     graphs copy out the loss, passes/graph_pool.py)."""
+    if options.cuda_graphs is True and options.offload and dynamic and training:
+        return False, ("cuda_graphs=True with offload, dynamic shapes: the graph recorded for each size keeps the "
+                       "host buffers it captured, and a size recorded later can find none free (none can be pinned "
+                       "during a capture); CUDA graphs off for this graph, offload kept")
     if options.cuda_graphs != "auto":
         return options.cuda_graphs, f"cuda_graphs={options.cuda_graphs}"
     if not lowering.cuda_graphs:

@@ -3,21 +3,24 @@
     DIR/plan.json      versions, device, the model's fingerprint, the options, and the plan of every graph the
                        training step compiled (graphopt/plan.py)
     DIR/report.txt     the plans rendered (also report.json and report.html)
-    DIR/compiled.tar   the compile's own Inductor cache folder: the compiled graphs (Inductor's FX graph cache),
-                       their C++ builds and Triton kernels, graphopt's Triton kernels
+    DIR/compiled.tar   the compile's own Inductor cache folder: the forward and backward as AOTAutograd
+                       partitioned them (its cache), the compiled graphs (Inductor's FX graph cache), their C++
+                       builds and Triton kernels, graphopt's Triton kernels
     DIR/manifest.json  the SHA-256 of each file above
 
 A later process compiling the same model with options={"plan": DIR} checks the versions and the device, loads the
 compiled files, and gives each graph the decisions saved for the graph of the same inputs: the same fusions (checked),
-the memory plan the first compile chose, without its search. Inductor then finds every graph in its cache instead
-of compiling it. The compiled files are code: they load only from the directory named, only when their hashes
+the memory plan the first compile chose, without its search. AOTAutograd and Inductor then find every graph in their
+caches instead of tracing the backward, partitioning and compiling it. The compiled files are code: they load only from the directory named, only when their hashes
 match the manifest, and a plan directory is to be trusted like a Python package.
 
 Why the cache folder and not torch.compiler.save_cache_artifacts(): those artifacts hold the FX graph cache's
 entries but not the C++ builds of CPU kernels, which a later process then builds again (tiny model on the CPU: a
-second process's first step took 27–31 s with them against 35 s cold, and 10 s with the folder;
-benchmarks/RESULTS.md). torch.compile(...).aot_compile(), which would also skip Dynamo's trace and graphopt's
-passes, needs AOTAutograd's cache, which skips the partitioner and so the memory plan (graphopt/pipeline.py).
+second process's first step took 27–31 s with them against 35 s cold, and 10 s with the folder). The folder holds
+AOTAutograd's entries too (the compile here runs with its cache on): a later process then runs Dynamo's trace and
+graphopt's passes only, and is served the partitioned, compiled graphs. torch.compile(...).aot_compile() would
+also skip the trace and the passes, but compiles a function of fixed signature whole, not the model a training
+loop calls (docs/architecture.md; measured in benchmarks/RESULTS.md).
 """
 
 import contextlib

@@ -39,6 +39,15 @@ def test_an_explicit_choice_is_kept(value):
         (value, f"cuda_graphs={value}")
 
 
+def test_offload_keeps_cuda_graphs_off_a_training_graph_of_dynamic_shapes():
+    """Each size's recorded graph keeps the host buffers it captured: sizes recorded later could find none."""
+    cuda = lowering_for("cuda")
+    assert cuda_graphs_decision(Options(cuda_graphs=True, offload=True), cuda, False, True)[0] is True
+    on, why = cuda_graphs_decision(Options(cuda_graphs=True, offload=True), cuda, True, True)
+    assert on is False and "offload kept" in why
+    assert cuda_graphs_decision(Options(cuda_graphs=True), cuda, True, True)[0] is True
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("training", [False, True])
 def test_the_decision_sees_dynamic_shapes_and_whether_the_graph_trains(dynamic, training, fresh_dynamo, monkeypatch):
