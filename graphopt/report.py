@@ -142,38 +142,97 @@ def _saved_text(plan) -> str:
             f"{_flops_text(saved['recomputed']['flops'])}")
 
 
-def html(plan) -> str:
-    """The report as one self-contained HTML page."""
-    def table(title, records, with_reason):
-        head = "<tr><th>pattern</th><th>module</th><th>type</th><th>source</th>" + (
-            "<th>reason</th>" if with_reason else "") + "</tr>"
-        rows = "".join(
-            "<tr>" + "".join(f"<td>{html_text.escape(str(c))}</td>" for c in (
-                [r.pattern, r.module, _type_text(r), r.source] + ([r.reason] if with_reason else []))) + "</tr>"
-            for r in records)
-        return f"<h2>{title} ({len(records)})</h2><table>{head}{rows}</table>"
+# The op families of the per-layer picture, by the pattern a fusion or miss records
+FAMILIES = {"rms_norm": "RMSNorm", "rope": "RoPE", "attention": "attention", "lora": "LoRA",
+            "swiglu": "SwiGLU / GeGLU", "geglu": "SwiGLU / GeGLU", "linear_cross_entropy": "loss",
+            "trl_logprobs": "loss"}
+_STYLE = ("body{font-family:sans-serif;margin:1.5em;color:#222}td,th{padding:2px 8px;text-align:left}"
+          "table{border-collapse:collapse;margin-bottom:1em}tr:nth-child(even){background:#f4f4f4}"
+          "#per-layer td{text-align:center;min-width:5em}#per-layer td:first-child{text-align:left}"
+          "td.fused{background:#b7e1b0}td.missed{background:#f4b6b0}td.partial{background:#f6dc9a}"
+          "td.alone{color:#999}.legend span{display:inline-block;padding:1px 8px;margin-right:6px}"
+          "svg text{font-size:11px;font-family:sans-serif}")
+_COLOURS = {"on the device": "#4a7fc1", "offloaded": "#9b6bc2", "recomputed": "#e8933a", "estimated": "#4a7fc1",
+            "measured": "#3a9a5b"}
 
-    lowering = "".join(
-        f"<tr><td>{html_text.escape(r.op)}</td><td>{r.count}</td><td>{html_text.escape(r.implementation)}</td>"
-        f"<td>{html_text.escape(r.note or '')}</td></tr>" for r in plan.lowering)
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'><title>graphopt report</title>"
-        "<style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:left}"
-        "tr:nth-child(even){background:#f2f2f2}</style></head><body>"
-        f"<h1>graphopt report — graph {plan.graph}, target {html_text.escape(plan.target)}</h1>"
-        f"<p>{plan.nodes_captured} nodes captured</p>"
-        + table("Fusions", plan.fusions, False) + table("Misses", plan.misses, True)
-        + "<h2>Lowering</h2><table><tr><th>op</th><th>count</th><th>implementation</th><th>note</th></tr>"
-        + lowering + "</table>"
-        + (_memory_html(plan) if plan.saved_for_backward else "")
-        + (f"<p>{html_text.escape(_cuda_graphs_text(plan))}</p>" if plan.cuda_graphs else "")
-        + "".join(f"<p>{html_text.escape(note)}</p>" for note in plan.notes) + "</body></html>"
-    )
+
+def family(pattern: str) -> str:
+    return FAMILIES.get(pattern) or FAMILIES.get(pattern.split("_")[0]) or pattern
+
+
+def html(plan) -> str:
+    """The report as one self-contained HTML page (no scripts, nothing fetched): the summary, a picture of each
+    layer's op families (fused, missed, left alone), the memory plan with a chart of what each layer keeps for the
+    backward, the implementation each op got, the misses in the order to fix them, the notes."""
+    e = html_text.escape
+    summary = text(plan).split("\nper layer:")[0].splitlines()[2:]  # the text's summary lines
+    body = [f"<h1>graphopt report — graph {plan.graph}, target {e(plan.target)}</h1>",
+            f"<p>{plan.nodes_captured} nodes captured</p>",
+            "<h2>Summary</h2><ul id='summary'>" + "".join(f"<li>{e(line.strip())}</li>" for line in summary)
+            + "</ul>", _layers_html(plan)]
+    if plan.saved_for_backward:
+        body.append(_memory_html(plan))
+    body.append("<h2>Lowering: what each op runs as</h2><table id='lowering'><tr><th>op</th><th>count</th>"
+                "<th>implementation</th><th>note</th></tr>" + "".join(
+                    f"<tr><td>{e(r.op)}</td><td>{r.count}</td><td>{e(r.implementation)}</td>"
+                    f"<td>{e(r.note or '')}</td></tr>" for r in plan.lowering) + "</table>")
+    body.append(_misses_html(plan))
+    body.append(_records_html("Fusions", "fusions", plan.fusions))
+    if plan.cuda_graphs:
+        body.append(f"<h2>CUDA graphs</h2><p id='cuda-graphs'>{e(_cuda_graphs_text(plan))}</p>")
+    if plan.notes:
+        body.append("<h2>Notes</h2><ul id='notes'>" + "".join(f"<li>{e(n)}</li>" for n in plan.notes) + "</ul>")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>graphopt report — graph "
+            f"{plan.graph}</title><style>{_STYLE}</style></head><body>" + "".join(body) + "</body></html>")
+
+
+def _layers_html(plan) -> str:
+    """Layers × op families: each cell fused (green), missed (red), both (amber) or left alone (grey)."""
+    e, layers = html_text.escape, _by_layer(plan)
+    families = list(dict.fromkeys(family(r.pattern) for records in layers.values() for r in records[0] + records[1]))
+    rows = []
+    for layer, (fused, missed) in layers.items():
+        cells = []
+        for name in families:
+            done = [r for r in fused if family(r.pattern) == name]
+            left = [r for r in missed if family(r.pattern) == name]
+            kind = "partial" if done and left else "fused" if done else "missed" if left else "alone"
+            label = (f"{len(done)} fused" if done else "") + (" / " if done and left else "") + (
+                f"{len(left)} missed" if left else "") or "—"
+            why = "; ".join(dict.fromkeys(r.reason for r in left))
+            cells.append(f"<td class='{kind}'" + (f" title='{e(why)}'" if why else "") + f">{label}</td>")
+        rows.append(f"<tr><td>{e(layer)}</td>{''.join(cells)}</tr>")
+    legend = ("<p class='legend'><span class='fused' style='background:#b7e1b0'>fused</span>"
+              "<span style='background:#f6dc9a'>some missed</span><span style='background:#f4b6b0'>missed</span>"
+              "<span style='color:#999'>— left alone</span> (a missed cell's tooltip says why)</p>")
+    return ("<h2>Per layer</h2>" + legend + "<table id='per-layer'><tr><th>layer</th>"
+            + "".join(f"<th>{e(name)}</th>" for name in families) + "</tr>" + "".join(rows) + "</table>")
+
+
+def _misses_html(plan) -> str:
+    """The misses grouped by what keeps them unfused, the largest group first (as the text orders them)."""
+    e = html_text.escape
+    groups = "".join(
+        f"<tr class='reason'><th colspan='3'>{e(pattern)} ×{len(records)}: {e(reason)}</th></tr>" + "".join(
+            f"<tr><td>{e(r.module)}</td><td>{e(_type_text(r))}</td><td>{e(r.source)}</td></tr>" for r in records)
+        for (pattern, reason), records in _by_reason(plan.misses))
+    return (f"<h2>Misses ({len(plan.misses)}), the most common reason first</h2>"
+            + (f"<table id='misses'><tr><th>module</th><th>type</th><th>source</th></tr>{groups}</table>"
+               if plan.misses else "<p id='misses'>none</p>"))
+
+
+def _records_html(title, name, records) -> str:
+    e = html_text.escape
+    rows = "".join(f"<tr><td>{e(r.pattern)}</td><td>{e(r.module)}</td><td>{e(_type_text(r))}</td>"
+                   f"<td>{e(r.source)}</td></tr>" for r in records)
+    return (f"<h2>{title} ({len(records)})</h2><table id='{name}'><tr><th>pattern</th><th>module</th><th>type</th>"
+            f"<th>source</th></tr>{rows}</table>")
 
 
 def _memory_html(plan) -> str:
-    """The memory plan as the text has it: what is saved, the budget decision and the estimated peak, and the
-    per-layer table."""
+    """The memory plan as the text has it (what is saved, the budget decision, the estimated peak), a chart of
+    each layer's activations kept for the backward (on the device, offloaded) and recomputed, the estimated
+    against the measured peak, and the per-layer table."""
     saved = plan.saved_for_backward
     offload = bool(saved.get("offload"))
     head = ("<tr><th>layer</th><th>saved MiB</th>" + ("<th>offloaded MiB</th>" if offload else "")
@@ -185,7 +244,64 @@ def _memory_html(plan) -> str:
         for layer, e in saved["per_layer"].items())
     return ("<h2>Memory plan</h2>" + "".join(f"<p>{html_text.escape(line.strip())}</p>"
                                             for line in [_saved_text(plan)] + _memory_lines(plan))
-            + f"<table>{head}{rows}</table>")
+            + _memory_chart(saved) + _peak_chart(saved["estimate"]) + f"<table id='memory-table'>{head}{rows}</table>")
+
+
+def _memory_chart(saved) -> str:
+    """An SVG bar per layer: what it keeps for the backward (on the device, then offloaded) and, below it, what
+    its backward recomputes. Sizes that are symbols (a graph of dynamic shapes) have no length to draw."""
+    per_layer = saved["per_layer"]
+    values = [v for e in per_layer.values() for v in (e["saved_bytes"], e["recomputed_bytes"])]
+    if not per_layer or not all(isinstance(v, int) for v in values):
+        return "<p id='memory-chart'>No chart: the sizes are symbolic (dynamic shapes); the table has them.</p>"
+    scale, label_width, bar, row = 480 / max(max(values), 1), 230, 9, 26
+    prefix = _common_prefix(list(per_layer))
+    parts = [f"<text x='0' y='9'>{html_text.escape(prefix)}…</text>"] if prefix else []
+    for i, (layer, e) in enumerate(per_layer.items()):
+        offloaded = e.get("offloaded_bytes", 0)
+        y, offloaded = 22 + i * row, offloaded if isinstance(offloaded, int) else 0
+        kept = e["saved_bytes"] - offloaded
+        parts.append(f"<text x='0' y='{y + 12}'>{html_text.escape(layer.removeprefix(prefix)[-36:])}</text>")
+        for x, width, what, top in ((0, kept, "on the device", y), (kept, offloaded, "offloaded", y),
+                                    (0, e["recomputed_bytes"], "recomputed", y + bar + 1)):
+            if width:
+                parts.append(f"<rect class='{what.replace(' ', '-')}' x='{label_width + x * scale:.1f}' y='{top}' "
+                             f"width='{max(width * scale, 1):.1f}' height='{bar}' fill='{_COLOURS[what]}'>"
+                             f"<title>{html_text.escape(layer)}: {what} {_mib(width)} MiB</title></rect>")
+        parts.append(f"<text x='{label_width + 486}' y='{y + 12}'>{_mib(e['saved_bytes'])} / "
+                     f"{_mib(e['recomputed_bytes'])} MiB</text>")
+    legend = "".join(f"<rect x='{label_width + 130 * k}' y='0' width='10' height='10' fill='{_COLOURS[w]}'/>"
+                     f"<text x='{label_width + 14 + 130 * k}' y='9'>{w}</text>"
+                     for k, w in enumerate(("on the device", "offloaded", "recomputed")))
+    height = 30 + len(per_layer) * row
+    return (f"<h3>Activations per layer: kept for the backward, and recomputed in it</h3><svg id='memory-chart' "
+            f"xmlns='http://www.w3.org/2000/svg' width='{label_width + 620}' height='{height}'>{legend}"
+            + "".join(parts) + "</svg>")
+
+
+def _common_prefix(names) -> str:
+    """The dotted module path all module names start with (base_model.model.model.), to draw them shorter."""
+    names = [n for n in names if "." in n]
+    if len(names) < 2:
+        return ""
+    first, last = min(names), max(names)
+    common = first[:next((i for i, (a, b) in enumerate(zip(first, last)) if a != b), len(first))]
+    return common[:common.rfind(".") + 1]
+
+
+def _peak_chart(estimate) -> str:
+    """The step's estimated peak beside the measured one (graphopt.record_measured_peak), when there is one."""
+    peaks = [("estimated", estimate["estimated_peak_bytes"]), ("measured", estimate.get("measured_peak_bytes"))]
+    peaks = [(what, v) for what, v in peaks if isinstance(v, int)]
+    if not peaks:
+        return ""
+    scale = 480 / max(v for _, v in peaks)
+    bars = "".join(f"<text x='0' y='{14 + 20 * i}'>{what}</text><rect class='{what}' x='80' y='{4 + 20 * i}' "
+                   f"width='{max(v * scale, 1):.1f}' height='12' fill='{_COLOURS[what]}'/>"
+                   f"<text x='{86 + v * scale:.1f}' y='{14 + 20 * i}'>{_bytes_text(v)}</text>"
+                   for i, (what, v) in enumerate(peaks))
+    return (f"<h3>Peak of the step</h3><svg id='peak-chart' xmlns='http://www.w3.org/2000/svg' width='700' "
+            f"height='{10 + 20 * len(peaks)}'>{bars}</svg>")
 
 
 def _mib(n) -> str:

@@ -2,6 +2,9 @@
 came from."""
 
 import json
+import re
+import shutil
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -133,12 +136,12 @@ def test_to_html_escapes():
     assert page.startswith("<!doctype html>") and page.rstrip().endswith("</html>")
     assert f"<td>{LAYER0}</td>" in page
     assert "<td>model.layers.1.&lt;post_attention&gt;&amp;&quot;norm&quot;</td>" in page
-    assert "<td>epsilon is not a constant &amp; &lt;x&gt;</td>" in page
+    assert "rms_norm ×1: epsilon is not a constant &amp; &lt;x&gt;</th>" in page
     assert "<td>Triton &lt;backward&gt;</td>" in page
     # The raw strings never appear unescaped.
     assert "<post_attention>" not in page and "<x>" not in page and "<backward>" not in page
-    assert "<h2>Fusions (2)</h2>" in page and "<h2>Misses (1)</h2>" in page
-    assert "<p>CUDA graphs: on (cuda_graphs=&quot;auto&quot;: static shapes" in page
+    assert "<h2>Fusions (2)</h2>" in page and "<h2>Misses (1), the most common reason first</h2>" in page
+    assert "<p id='cuda-graphs'>CUDA graphs: on (cuda_graphs=&quot;auto&quot;: static shapes" in page
 
 
 def test_to_html_escapes_target():
@@ -346,3 +349,65 @@ def test_the_command_line_renders_a_saved_report(tmp_path, capsys):
     (tmp_path / "old.json").write_text(json.dumps({"schema_version": 1}))
     with pytest.raises(SystemExit, match="old.json: not a graphopt.plan/1 plan"):
         report_mod.main([str(tmp_path / "old.json")])
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def chromium(*args):
+    """Headless Chromium's stdout for args (--no-sandbox: CI runs it as root)."""
+    done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium (Debian's chromium package, which .ci/run installs) "
+                                             "is not installed")
+def test_the_html_report_renders_in_chromium(tmp_path):
+    """A compiled model's HTML report, as the page Chromium builds from it: the summary, the per-layer picture
+    (a row per layer, a cell per op family, coloured by what happened), the memory chart (a bar per layer), the
+    estimated and measured peaks, the lowering and the misses; and Chromium draws it."""
+    import torch
+    from models import tiny_lora_model
+
+    torch._dynamo.reset()
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    try:
+        compiled = torch.compile(tiny_lora_model("llama"), backend="graphopt", options={"memory_budget": 0})
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        torch._dynamo.reset()
+    plan = graphopt.last_report()
+    plan.misses.append(Record("rope", "base_model.model.model.layers.1.self_attn", "my_model.py:7", "float32",
+                              [2, 4, 32, 16], reason="the rotation reads a table of another length"))
+    report_mod.record_measured_peak(3 * 2**20, plan)
+    page = tmp_path / "report.html"
+    page.write_text(plan.to_html())
+
+    dom = chromium("--dump-dom", page.as_uri())
+
+    def element(name):
+        found = re.search(rf'<(\w+)[^>]* id="{name}"', dom)
+        assert found, f"no element #{name} in the page Chromium built"
+        return dom[found.start():dom.index(f"</{found.group(1)}>", found.start())]
+
+    assert "fusions (24)" in element("summary")
+    layers = element("per-layer")
+    assert [h for h in re.findall(r"<th>([^<]+)</th>", layers)] == [
+        "layer", "RMSNorm", "RoPE", "SwiGLU / GeGLU", "LoRA", "loss"]
+    rows = re.findall(r"<tr><td>([^<]+)</td>", layers)
+    assert rows == [f"base_model.model.{m}" for m in ("model.layers.0", "model.layers.1", "model.norm", "lm_head")]
+    assert layers.count('class="fused"') == 4 + 3 + 1 + 1 and 'class="partial"' in layers  # layer 1's RoPE
+    assert layers.count('class="alone"') == 4 * 5 - 10
+    chart = element("memory-chart")
+    per_layer = plan.saved_for_backward["per_layer"].values()
+    assert chart.count('class="recomputed"') == sum(e["recomputed_bytes"] > 0 for e in per_layer) >= 2
+    assert chart.count('class="on-the-device"') == sum(e["saved_bytes"] > 0 for e in per_layer)
+    assert element("peak-chart").count("<rect") == 2
+    assert "graphopt.lora_linear.default" in element("lowering")
+    assert "the rotation reads a table of another length" in element("misses")
+
+    shot = tmp_path / "report.png"
+    chromium(f"--screenshot={shot}", "--window-size=1100,1400", page.as_uri())
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
