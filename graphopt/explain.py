@@ -3,7 +3,9 @@
 The model is built on the meta device (shapes and dtypes, no data), traced by Dynamo with its training step
 (forward with labels, then backward), and every stage of the pipeline decides as it would for the target named:
 fusions and misses, the lowering, the memory plan and its estimated peak at that batch. Nothing is compiled: the
-traced graphs run on meta tensors. The plans are graphopt.reports() as after a real compile.
+traced graphs run on meta tensors, each call the target runs in another form than the meta device's traced in the
+target's (the target's lowering's meta_stand_ins: SDPA as a GPU's fused kernels). The plans are graphopt.reports()
+as after a real compile.
 """
 
 import argparse
@@ -18,11 +20,6 @@ from graphopt.pipeline import compile_graph
 from graphopt.report import reports
 
 NOTE = "explain: traced on the meta device for this target; nothing was compiled or run"
-# On the meta device SDPA takes its math form, and the partitioner sees its [B, H, L, L] weights, which a GPU's
-# fused attention kernels never hold
-GPU_NOTE = ("explain: attention unmasked or causal is traced in SDPA's math form here, so the memory estimate "
-            "counts its [batch, heads, length, length] weights, which the GPU's fused kernels do not keep: an "
-            "upper bound, and memory_budget=\"auto\" may choose a leaner plan than the GPU compile does")
 
 
 def explain(model: torch.nn.Module, example_inputs: dict, options: dict = None, target: str = "cuda") -> list:
@@ -40,7 +37,7 @@ def explain(model: torch.nn.Module, example_inputs: dict, options: dict = None, 
         torch._dynamo.reset()
     plans = reports()[first:]
     for plan in plans:
-        plan.notes += [NOTE] + ([GPU_NOTE] if target in ("cuda", "hip") else [])
+        plan.notes.append(NOTE)
     return plans
 
 

@@ -46,6 +46,8 @@ def load_model(source: str, dtype: torch.dtype, device: str, lora_rank: int = 16
         elif ":" in source:
             module, _, name = source.partition(":")
             model = getattr(importlib.import_module(module), name)()
+            if not hasattr(model, "peft_config"):  # a base model in the dtype asked for; adapters as they come
+                model = model.to(dtype)
         else:
             raise SystemExit(f"MODEL {source!r}: neither an HF model directory (with a config.json) nor "
                              f"module:factory")

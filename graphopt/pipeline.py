@@ -133,6 +133,11 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
             plan.saved_for_backward = saved.saved_for_backward
         return compiled
 
+    if explain:  # traced on the meta device: each call the target runs in another form is traced in that form
+        for target, stand_in in lowering.meta_stand_ins.items():
+            for node in gm.graph.find_nodes(op="call_function", target=target):
+                node.target = stand_in
+        gm.recompile()
     return aot_autograd(
         fw_compiler=boxed_nop,
         bw_compiler=boxed_nop,

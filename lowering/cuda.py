@@ -44,7 +44,7 @@ IMPLEMENTATIONS = {
     torch.ops.graphopt.padded_attention_backward.default: "FlashAttention-2 variable-length backward (aten), from "
                                                           "the forward's output and log-sum-exp",
     torch.ops.graphopt.packed_attention.default: "FlashAttention-2 variable-length kernel (aten), each document one "
-                                                 "causal sequence (their bounds read on the host: one wait a call)",
+                                                 "causal sequence (their bounds read on the host: one wait a batch)",
     torch.ops.graphopt.packed_attention_backward.default: "FlashAttention-2 variable-length backward (aten), from "
                                                           "the forward's output and log-sum-exp",
 }
@@ -77,6 +77,26 @@ def lora_variant(x, weight, bias, lora_a, lora_b, dropout_mask=None):
     if lora.supported_dtypes(x.dtype, weight.dtype, lora_a.dtype):
         return None
     return LORA_IN_ONE_DTYPE.format(dtype=str(lora_a.dtype).removeprefix("torch."))
+
+
+def sdpa_as_on_the_gpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False):
+    """SDPA traced on meta tensors (graphopt explain) as the GPU runs it: with 16-bit inputs and no mask or
+    dropout, FlashAttention's kernel, which keeps its output and log-sum-exp for the backward; in fp32 without GQA
+    the memory-efficient kernel, which keeps the same. Meta tensors take SDPA's math form, whose [B, H, L, L]
+    weights no GPU kernel holds. Else the math form, as on the GPU."""
+    if attn_mask is None and not dropout_p:
+        if query.dtype in (torch.float16, torch.bfloat16):
+            return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, is_causal,
+                                                                      scale=scale)[0]
+        if not enable_gqa:
+            return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, None, True, 0.0,
+                                                                          is_causal, scale=scale)[0]
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                                            scale=scale, enable_gqa=enable_gqa)
+
+
+META_STAND_INS = {torch.nn.functional.scaled_dot_product_attention: sdpa_as_on_the_gpu}
 
 
 # In compiled graphs these are decomposed below autograd: Inductor then fuses them with their neighbours (the

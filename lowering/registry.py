@@ -38,6 +38,9 @@ class Lowering:
     variants: dict = field(default_factory=dict)
     # run before a graph compiles for the target: sets up the device, returns a note for the report (or None)
     prepare: object = None
+    # graph call → the function it is traced as on the meta device (graphopt explain): as the target runs it,
+    # where the meta device would take another form (SDPA's math form on meta, a fused kernel on a GPU)
+    meta_stand_ins: dict = field(default_factory=dict)
 
 
 def lowering_for(target: str) -> Lowering:
@@ -48,6 +51,7 @@ def lowering_for(target: str) -> Lowering:
         return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda",
                         prepare=cuda.prefer_expandable_segments if target == "cuda" else None,
+                        meta_stand_ins=dict(cuda.META_STAND_INS),
                         variants={torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
                                   torch.ops.graphopt.padded_attention.default: cuda.attention_variant,
                                   torch.ops.graphopt.packed_attention.default: cuda.attention_variant})

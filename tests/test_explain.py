@@ -41,3 +41,26 @@ def test_the_command_line_explains_a_config_for_the_gpu_without_one(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "target cuda" in done.stdout and "lora ×14" in done.stdout and "estimated peak of the step" in done.stdout
     assert "CUDA graphs: on" in done.stdout and NOTE in done.stdout
+
+
+def test_a_gpu_target_traces_attention_as_the_gpus_kernel(monkeypatch, fresh_dynamo):
+    """On the meta device SDPA takes its math form; for a GPU target it is traced as FlashAttention's kernel
+    (lowering/cuda.py META_STAND_INS), which keeps its output and log-sum-exp for the backward, not the
+    [B, H, L, L] weights: the estimate counts what the GPU holds."""
+    from graphopt.lowering import cuda
+
+    def saved():
+        meta = tiny_lora_model("llama", dtype=torch.bfloat16).to("meta")
+        ids = torch.zeros(2, 512, dtype=torch.long, device="meta")
+        [plan] = explain(meta, {"input_ids": ids, "labels": ids, "use_cache": False},
+                         {"memory_budget": 1}, target="cuda")
+        return plan.saved_for_backward
+
+    def has_weights(decision):
+        return any(t["shape"][-2:] == [512, 512] for t in decision["largest"])
+
+    flash = saved()
+    monkeypatch.setattr(cuda, "META_STAND_INS", {})
+    math = saved()
+    assert has_weights(math) and not has_weights(flash)
+    assert flash["estimate"]["estimated_peak_bytes"] < math["estimate"]["estimated_peak_bytes"]
