@@ -55,7 +55,10 @@ HOW_TO_FIX = "make it again for this set-up: graphopt.optimize(model, example_in
 def optimize(model: torch.nn.Module, example_inputs: dict, out_dir, options: dict = None) -> Path:
     """Compile the training step of model once (forward, and backward when the output holds a loss that needs
     gradients) on example_inputs, the model's keyword inputs (e.g. input_ids and labels), and write the plan
-    directory out_dir. The model is left as it was: its gradients, and the random state the step drew from."""
+    directory out_dir. The model is left as it was: its gradients, and the random state the step drew from.
+    Dynamo's caches are reset before and after (torch._dynamo.reset()), so that the step compiles here rather
+    than running a graph compiled earlier: a model compiled before in this process compiles again at its next
+    call."""
     options = dict(options or {})
     if "plan" in options:
         raise OptionError("optimize makes a plan: leave the plan option out")
