@@ -124,6 +124,41 @@ def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_m
     return grad_x, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype)
 
 
+# QLoRA: a bitsandbytes 4-bit base (NF4 or FP4 codes, one absmax a block; with double quantization the absmax
+# themselves 8-bit, blockwise over 256) and its LoRA adapters: lora_linear over the dequantized weight, which is
+# made for the call and never kept. The weight is dequantized by bitsandbytes' own ops, so the op and its kernels
+# are checked against the library, not against a reading of its format. The arguments are those of
+# bitsandbytes::gemm_4bit, which bitsandbytes' 4-bit matmul calls: with double quantization `absmax` is the nested
+# absmax and absmax_8bit, absmax_code, absmax_offset the blocks' 8-bit absmax, its code and its offset.
+
+NESTED_BLOCKSIZE = 256  # bitsandbytes' 4-bit matmul takes double-quantized absmax in blocks of 256 only
+
+
+def dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code, absmax_offset, dtype):
+    """The [out, in] base weight, in dtype, from bitsandbytes' packed codes and quantization state."""
+    import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes; a model with a 4-bit base has it)
+
+    if absmax_8bit is not None:
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise(absmax_8bit, absmax, absmax_code, NESTED_BLOCKSIZE,
+                                                             torch.float32) + absmax_offset
+    return torch.ops.bitsandbytes.dequantize_4bit(packed, absmax, blocksize, quant_type, list(shape), dtype)
+
+
+def lora_linear_4bit(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code,
+                     absmax_offset, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+    weight = dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code, absmax_offset,
+                             x.dtype)
+    return lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
+
+
+def lora_linear_4bit_backward(grad_out, x, packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code,
+                              absmax_offset, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
+    """(grad_x, grad_a, grad_b), the base weight dequantized again."""
+    weight = dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code, absmax_offset,
+                             x.dtype)
+    return lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
+
+
 # Linear + cross-entropy (lm_head → loss), in row chunks so the [tokens × vocab] logits never exist at once:
 #   logits = hidden·Wᵀ (+ b) in hidden's dtype, as HF's lm_head; z = logits in fp32; with softcap c > 0,
 #   z = c·tanh(z / c) (Gemma-2); loss_i = logsumexp(z_i) − z_i[target_i], rows with target = ignore_index add 0;

@@ -1,6 +1,6 @@
 """CPU target: graphopt ops decompose into aten below autograd, so Inductor's C++ backend fuses them into
-its generated code while each op's hand-written backward formula stays; lora_linear, linear_cross_entropy and
-linear_logprobs stay opaque (below)."""
+its generated code while each op's hand-written backward formula stays; lora_linear, lora_linear_4bit,
+linear_cross_entropy and linear_logprobs stay opaque (below)."""
 
 import torch
 
@@ -10,6 +10,10 @@ from graphopt.kernels import masked_attention_cpu, reference
 # lora_linear stays one opaque op: decomposed, Inductor's partitioner chose to save the adapter-dtype (fp32)
 # copy of x again, the memory the op exists to avoid; opaque, the backward saves x in its own dtype.
 LORA_OPAQUE = "kernels/reference.py matmuls as one op (saves x in its own dtype, not an fp32 copy)"
+
+# lora_linear_4bit stays one opaque op too, and so dequantizes its base inside the call: the weight is never kept.
+LORA_4BIT_OPAQUE = ("bitsandbytes' dequantize_4bit of the base (in x's dtype) into a temporary, then kernels/"
+                    "reference.py matmuls, as one op: the dequantized weight is never kept")
 
 # linear_cross_entropy stays one opaque op everywhere: its chunk loop is what keeps the logits from existing whole.
 LINEAR_CE_OPAQUE = ("kernels/reference.py, one chunk of rows at a time: lm_head matmul, fp32 log-softmax and its "
@@ -43,6 +47,9 @@ _FLASH = ("aten's CPU flash-attention kernel with the mask (kernels/masked_atten
 DECOMPOSITIONS = _REFERENCES | ATTENTION
 IMPLEMENTATIONS = {op: _DECOMPOSED for op in _REFERENCES} | {op: _FLASH for op in ATTENTION} | {
     op: LORA_OPAQUE for op in (torch.ops.graphopt.lora_linear.default, torch.ops.graphopt.lora_linear_backward.default)
+} | {
+    op: LORA_4BIT_OPAQUE for op in (torch.ops.graphopt.lora_linear_4bit.default,
+                                    torch.ops.graphopt.lora_linear_4bit_backward.default)
 } | {torch.ops.graphopt.linear_cross_entropy.default: LINEAR_CE_OPAQUE,
      torch.ops.graphopt.linear_logprobs.default: LINEAR_LOGPROBS_OPAQUE,
      torch.ops.graphopt.linear_logprobs_backward.default: LINEAR_LOGPROBS_BACKWARD_OPAQUE}

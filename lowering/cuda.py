@@ -28,6 +28,10 @@ IMPLEMENTATIONS = {
     torch.ops.graphopt.lora_linear_backward.default: "cuBLAS dY·W + Triton kernels kernels/lora.py: dX, dA, dB "
                                                      "from x as saved (bf16), no fp32 copies, in four launches "
                                                      "(x·Aᵀ and dY·B; dA and dB over row splits; their sum; dX)",
+    torch.ops.graphopt.lora_linear_4bit.default: "bitsandbytes' dequantize_4bit of the base into a temporary, then "
+                                                 "cuBLAS matmuls (kernels/reference.py): no fused 4-bit kernel yet",
+    torch.ops.graphopt.lora_linear_4bit_backward.default: "bitsandbytes' dequantize_4bit of the base again, then "
+                                                          "cuBLAS matmuls (kernels/reference.py): dX, dA, dB",
     torch.ops.graphopt.linear_cross_entropy.default: "cuBLAS lm_head matmuls + Triton kernel kernels/cross_entropy.py:"
                                                      "_cross_entropy_chunk_kernel, one chunk of rows at a time "
                                                      "(logits never whole; gradient written over them in place)",

@@ -232,17 +232,19 @@ def _lora_linear_backward_fake(grad_out, x, weight, lora_a, lora_b, scaling, dro
     return x.new_empty(x.shape), lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)
 
 
-def check_lora_linear(x, weight, lora_a, lora_b, dropout_mask=None, dropout_p=0.0):
-    """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
-    torch._check(weight.dim() == 2 and lora_a.dim() == 2 and lora_b.dim() == 2,
-                 lambda: "lora_linear: weight, lora_a and lora_b must be matrices")
-    torch._check(x.shape[-1] == weight.shape[1] and lora_a.shape[1] == weight.shape[1]
-                 and lora_b.shape[0] == weight.shape[0] and lora_b.shape[1] == lora_a.shape[0],
-                 lambda: f"lora_linear: shapes do not chain: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+def check_lora_linear(x, weight, lora_a, lora_b, dropout_mask=None, dropout_p=0.0, op="lora_linear"):
+    """The op's input contract; every implementation (reference, fake, target kernels) checks it. weight: the base
+    weight, or its shape (lora_linear_4bit)."""
+    shape = tuple(weight.shape) if isinstance(weight, Tensor) else tuple(weight)
+    torch._check(len(shape) == 2 and lora_a.dim() == 2 and lora_b.dim() == 2,
+                 lambda: f"{op}: weight, lora_a and lora_b must be matrices")
+    torch._check(x.shape[-1] == shape[1] and lora_a.shape[1] == shape[1]
+                 and lora_b.shape[0] == shape[0] and lora_b.shape[1] == lora_a.shape[0],
+                 lambda: f"{op}: shapes do not chain: x {tuple(x.shape)}, weight {shape}, "
                          f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
     torch._check(dropout_mask is None or (dropout_mask.dtype == torch.bool and dropout_mask.shape == x.shape),
-                 lambda: f"lora_linear: dropout_mask must be a bool tensor of x's shape {tuple(x.shape)}")
-    torch._check(0.0 <= dropout_p < 1.0, lambda: f"lora_linear: dropout_p={dropout_p} must be in [0, 1)")
+                 lambda: f"{op}: dropout_mask must be a bool tensor of x's shape {tuple(x.shape)}")
+    torch._check(0.0 <= dropout_p < 1.0, lambda: f"{op}: dropout_p={dropout_p} must be in [0, 1)")
 
 
 def _lora_setup_context(ctx, inputs, output):
@@ -262,6 +264,90 @@ def _lora_grad(ctx, grad_out):
 
 
 lora_linear.register_autograd(_lora_grad, setup_context=_lora_setup_context)
+
+
+# --- lora_linear_4bit (PEFT LoRA around a bitsandbytes 4-bit base: QLoRA) -----------------------------------------
+
+QUANT_TYPES = ("nf4", "fp4")
+
+
+@torch.library.custom_op("graphopt::lora_linear_4bit", mutates_args=())
+def lora_linear_4bit(x: Tensor, packed: Tensor, shape: list[int], absmax: Tensor, blocksize: int, quant_type: str,
+                     bias: Optional[Tensor], absmax_8bit: Optional[Tensor], absmax_code: Optional[Tensor],
+                     absmax_offset: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
+                     out_dtype: torch.dtype, dropout_mask: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
+    """lora_linear over a frozen bitsandbytes 4-bit base, given as bitsandbytes::gemm_4bit takes it: packed codes
+    (uint8, two a byte), the weight's [out, in] shape, the absmax (with double quantization the nested absmax,
+    then absmax_8bit, absmax_code and absmax_offset), the block size and quant type. The base is dequantized in
+    x's dtype for each call and never kept; the backward gives dX, dA, dB only (kernels/reference.py)."""
+    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
+    return reference.lora_linear_4bit(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit,
+                                      absmax_code, absmax_offset, lora_a, lora_b, scaling, out_dtype, dropout_mask,
+                                      dropout_p).contiguous()
+
+
+@lora_linear_4bit.register_fake
+def _lora_linear_4bit_fake(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code,
+                           absmax_offset, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
+    return x.new_empty((*x.shape[:-1], shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("graphopt::lora_linear_4bit_backward", mutates_args=())
+def lora_linear_4bit_backward(grad_out: Tensor, x: Tensor, packed: Tensor, shape: list[int], absmax: Tensor,
+                              blocksize: int, quant_type: str, absmax_8bit: Optional[Tensor],
+                              absmax_code: Optional[Tensor], absmax_offset: Optional[Tensor], lora_a: Tensor,
+                              lora_b: Tensor, scaling: float, dropout_mask: Optional[Tensor] = None,
+                              dropout_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_x, grad_a, grad_b): the base dequantized again, never saved by the forward."""
+    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
+    grads = reference.lora_linear_4bit_backward(grad_out, x, packed, shape, absmax, blocksize, quant_type,
+                                                absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b, scaling,
+                                                dropout_mask, dropout_p)
+    return tuple(g.contiguous() for g in grads)
+
+
+@lora_linear_4bit_backward.register_fake
+def _lora_linear_4bit_backward_fake(grad_out, x, packed, shape, absmax, blocksize, quant_type, absmax_8bit,
+                                    absmax_code, absmax_offset, lora_a, lora_b, scaling, dropout_mask=None,
+                                    dropout_p=0.0):
+    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
+    return x.new_empty(x.shape), lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)
+
+
+def check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask=None,
+                           dropout_p=0.0):
+    """The op's input contract; every implementation checks it."""
+    torch._check(len(shape) == 2 and packed.dtype == torch.uint8
+                 and packed.numel() == (shape[0] * shape[1] + 1) // 2,
+                 lambda: f"lora_linear_4bit: packed must hold the {shape} weight's 4-bit codes two a byte (uint8), "
+                         f"got {packed.dtype} of {packed.numel()} elements")
+    torch._check(quant_type in QUANT_TYPES and blocksize > 0 and blocksize & (blocksize - 1) == 0,
+                 lambda: f"lora_linear_4bit: quant_type {quant_type!r} must be one of {QUANT_TYPES}, blocksize "
+                         f"{blocksize} a power of 2")
+    check_lora_linear(x, shape, lora_a, lora_b, dropout_mask, dropout_p, op="lora_linear_4bit")
+
+
+def _lora_4bit_setup_context(ctx, inputs, output):
+    (x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b,
+     scaling, _, dropout_mask, dropout_p) = inputs
+    ctx.save_for_backward(x, packed, absmax, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b, dropout_mask)
+    ctx.shape, ctx.blocksize, ctx.quant_type, ctx.scaling, ctx.dropout_p = shape, blocksize, quant_type, scaling, \
+        dropout_p
+
+
+def _lora_4bit_grad(ctx, grad_out):
+    x, packed, absmax, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b, dropout_mask = ctx.saved_tensors
+    if ctx.needs_input_grad[6]:
+        raise RuntimeError("graphopt::lora_linear_4bit computes no gradient for the base bias: it must be frozen "
+                           "(requires_grad=False), as PEFT leaves it; the fusion pass never fuses otherwise")
+    grad_x, grad_a, grad_b = torch.ops.graphopt.lora_linear_4bit_backward(
+        grad_out, x, packed, ctx.shape, absmax, ctx.blocksize, ctx.quant_type, absmax_8bit, absmax_code,
+        absmax_offset, lora_a, lora_b, ctx.scaling, dropout_mask, ctx.dropout_p)
+    return (grad_x, *[None] * 9, grad_a, grad_b, None, None, None, None)
+
+
+lora_linear_4bit.register_autograd(_lora_4bit_grad, setup_context=_lora_4bit_setup_context)
 
 
 # --- linear_cross_entropy (lm_head + loss, logits never materialized) --------------------------------------
@@ -660,6 +746,7 @@ BACKWARD_OF = {
     torch.ops.graphopt.gated_activation.default: torch.ops.graphopt.gated_activation_backward.default,
     torch.ops.graphopt.rope.default: torch.ops.graphopt.rope_backward.default,
     torch.ops.graphopt.lora_linear.default: torch.ops.graphopt.lora_linear_backward.default,
+    torch.ops.graphopt.lora_linear_4bit.default: torch.ops.graphopt.lora_linear_4bit_backward.default,
     torch.ops.graphopt.linear_cross_entropy.default: torch.ops.graphopt.linear_cross_entropy_backward.default,
     torch.ops.graphopt.linear_logprobs.default: torch.ops.graphopt.linear_logprobs_backward.default,
     torch.ops.graphopt.padded_attention.default: torch.ops.graphopt.padded_attention_backward.default,

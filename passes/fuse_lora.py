@@ -3,13 +3,22 @@
 Matches (after passes/normalize.py) what PEFT's lora.Linear.forward records:
   base = linear(x, W[, bias]);  xa = linear(x[.to(adapter dtype)], A);  out = base + linear(xa, B) * scaling
   [→ .to(result dtype)]
-with one active adapter and a frozen plain-linear base. PEFT's lora_dropout sits between the cast and lora_A:
+with one active adapter and a frozen plain-linear base, or a bitsandbytes 4-bit base (QLoRA, below). PEFT's lora_dropout sits between the cast and lora_A:
 in eval mode (training=False) it is the identity and drops out of the match; in training it becomes a keep mask
 drawn in the graph, as CPU eager's dropout draws it (empty_like(x).bernoulli_(1 - p); under Inductor from its
 own random stream, as any compiled dropout), which the op applies to the adapters' input in the forward and to
 their gradient in the backward. Every linear traced inside a `lora_B` module is a candidate; one that does not
 match in full (several active adapters, a quantized or trainable base, a lora_B bias, an in-place or
 non-constant dropout) stays unfused with a miss record.
+
+A bitsandbytes 4-bit base (`Linear4bit`, NF4 or FP4, double-quantized or not) becomes graphopt::lora_linear_4bit.
+bitsandbytes' 4-bit matmul is an autograd.Function, which Dynamo records as one higher-order call whose forward is a
+subgraph of its own; PEFT's bnb layer then clones the result:
+  xc = x[.to(compute dtype)];  out = autograd_function_apply(fwd, bwd, W.view(-1, 1), xc, *quant state)[0]
+  base = out[.to(x's dtype)][.clone()]
+where fwd is bitsandbytes::gemm_4bit(xc, B, shape, absmax, blocksize, quant_type, bias=, absmax_8bit=, …) and
+nothing else: the op takes gemm_4bit's arguments. A base computing in another dtype than its input, or a forward
+of another form (another bitsandbytes version), stays unfused with a miss; so does LLM.int8 (`Linear8bitLt`).
 
 DoRA (use_dora=True) is never fused; it gets one miss per DoRA adapter the graph shows, never two. Dynamo hands
 it over in one of two forms:
@@ -25,6 +34,7 @@ it over in one of two forms:
     per activation graph, named `<DoRA layer>`, whose reason says it stands for every layer that graph runs.
 """
 
+import operator
 import re
 
 import torch
@@ -35,6 +45,7 @@ from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, i
 from graphopt.passes.rewrite import Miss, replace
 
 PATTERN = "lora"
+PATTERN_4BIT = "lora_4bit"  # the same fusion over a bitsandbytes 4-bit base (QLoRA)
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _DROPOUT = (torch.nn.functional.dropout, torch.dropout)
 _DORA_SOURCE = re.compile(r'File "[^"]*[/\\]peft[/\\]tuners[/\\]lora[/\\]dora\.py"')
@@ -114,14 +125,22 @@ def _match(lora_b: Node):
     if not is_call(add, torch.add) or len(add.args) != 2 or add.kwargs:
         raise Miss("the scaled LoRA output is not added to the base output")
     base = add.args[0] if add.args[1] is mul else add.args[1]
-    if not is_call(base, *_LINEAR):
-        raise Miss("the base output is not a plain linear (several active adapters, or a quantized or DoRA base)")
-    base_x, weight, bias = _linear_args(base)
-    if base_x is not x or len(base.users) != 1:
-        raise Miss("the base linear and the adapters do not read the same input")
-    for name, t in (("weight", weight), ("bias", bias)):
+    quantized = _quantized_base(base, x)
+    if quantized is not None:
+        base_args, base_nodes = quantized
+    elif is_call(base, *_LINEAR):
+        base_x, weight, bias = _linear_args(base)
+        if base_x is not x:
+            raise Miss("the base linear and the adapters do not read the same input")
+        base_args, base_nodes = (weight, bias), [base]
+    else:
+        raise Miss("the base output is neither a plain linear nor bitsandbytes' 4-bit matmul (several active "
+                   "adapters, an 8-bit or DoRA base)")
+    if len(base.users) != 1:
+        raise Miss("the base output is also read outside the LoRA layer")
+    for t in (base_args[0], base_args[-1]) if quantized is None else (base_args[5],):  # weight and bias; 4-bit: bias
         if t is not None and (not is_tensor(t) or value(t).requires_grad):
-            raise Miss(f"the base {name} trains (requires_grad); the fused op keeps it frozen")
+            raise Miss("the base weight or bias trains (requires_grad); the fused op keeps them frozen")
     if value(x).dtype not in FUSABLE_DTYPES:
         raise Miss(f"input dtype {value(x).dtype} is not float32, bfloat16 or float16")
 
@@ -129,8 +148,62 @@ def _match(lora_b: Node):
     if (user := only_user(add)) is not None and is_cast(user):
         end = user
     scaling = float(scaling) if is_scalar(scaling) else scaling
-    nodes = [end, add, mul, lora_b, a_out, base] + dropped + ([x_adapter] if x_adapter is not x else [])
-    return (x, weight, bias, a_weight, b_weight, scaling), dropout_p, end, nodes
+    nodes = [end, add, mul, lora_b, a_out, *base_nodes] + dropped + ([x_adapter] if x_adapter is not x else [])
+    return (x, *base_args, a_weight, b_weight, scaling), dropout_p, end, nodes, quantized is not None
+
+
+def _quantized_base(base: Node, x: Node):
+    """(lora_linear_4bit's base arguments: packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit,
+    absmax_code, absmax_offset; the nodes that compute the base) when base is bitsandbytes' 4-bit matmul of x
+    (see the module's docstring), None when it is not that call at all; Miss when it is, in a form not fused."""
+    nodes, node = [], base
+    if node.op == "call_method" and node.target == "clone" and len(node.args) == 1 and not node.kwargs:
+        nodes, node = nodes + [node], node.args[0]
+    if is_cast(node):
+        nodes, node = nodes + [node], node.args[0]
+    if _op_name(node.target) == "bitsandbytes::gemm_4bit":  # no input needs a gradient: traced inline
+        gemm, apply, outer = node, None, {}
+    else:
+        apply = node.args[0] if is_call(node, operator.getitem) and node.args[1] == 0 else None
+        if not is_call(apply, torch.ops.higher_order.autograd_function_apply):
+            return None
+        forward = getattr(apply.graph.owning_module, apply.args[0].target)
+        calls = [n for n in forward.graph.nodes
+                 if n.op == "call_function" and _op_name(n.target) != "_set_grad_enabled"]
+        gemm = calls[0] if len(calls) == 1 and _op_name(calls[0].target) == "bitsandbytes::gemm_4bit" else None
+        if gemm is None:
+            raise Miss("the base is an autograd.Function other than bitsandbytes' 4-bit matmul as graphopt knows it "
+                       f"(its forward calls {', '.join(_op_name(n.target) for n in calls) or 'nothing'})")
+        outer = dict(zip(forward.graph.find_nodes(op="placeholder"), apply.args[2:]))  # its inputs → this graph's
+
+    def ours(arg):
+        return outer.get(arg, arg) if isinstance(arg, Node) else arg
+
+    args = dict(zip(("A", "B", "shapeB", "absmax", "blocksize", "quant_type"), gemm.args)) | gemm.kwargs
+    packed = args["B"]
+    if not (packed.op == "call_method" and packed.target == "view" and packed.args[1:] == (-1, 1)):
+        raise Miss("bitsandbytes' 4-bit matmul reads its packed weight in a form graphopt does not know")
+    # inside the Function's forward the view is of its input, already W.view(-1, 1) here; inline it is that view
+    packed = ours(packed.args[0]) if apply is not None else packed
+
+    computed = ours(args["A"])
+    if computed is not x and not (is_cast(computed) and computed.args[0] is x):
+        raise Miss("the 4-bit base and the adapters do not read the same input")
+    if value(computed).dtype != value(x).dtype:
+        raise Miss(f"the 4-bit base computes in {value(computed).dtype}, its input is {value(x).dtype} "
+                   f"(bnb_4bit_compute_dtype differs from the model's dtype): not fused, so as not to change the "
+                   f"base's rounding")
+    if args["quant_type"] not in ("nf4", "fp4"):
+        raise Miss(f"bitsandbytes quant_type {args['quant_type']!r} is not NF4 or FP4")
+    base_args = (packed, list(args["shapeB"]), ours(args["absmax"]), args["blocksize"], args["quant_type"],
+                 ours(args.get("bias")), ours(args.get("absmax_8bit")), ours(args.get("absmax_code")),
+                 ours(args.get("absmax_offset")))
+    return base_args, nodes + [node] + ([apply] if apply is not None else []) + (
+        [computed] if computed is not x else [])
+
+
+def _op_name(target) -> str:
+    return target.name() if hasattr(target, "name") else getattr(target, "__name__", str(target))
 
 
 def _dropout(node: Node) -> float:
@@ -174,14 +247,24 @@ def fuse_lora(gm: GraphModule, report) -> int:
         if not in_model:
             continue  # a frame's own lora_B outside DoRA: not a candidate (as before)
         try:
-            args, dropout_p, end, nodes = _match(lora_b)
+            args, dropout_p, end, nodes, quantized = _match(lora_b)
         except Miss as miss:
             report.misses.append(record_for(lora_b, PATTERN, str(miss)))
             continue
         with gm.graph.inserting_before(end):
-            dropout = (_keep_mask(gm, args[0], value(args[3]).dtype, dropout_p), dropout_p) if dropout_p else ()
-        op = replace(end, torch.ops.graphopt.lora_linear.default, (*args, value(end).dtype, *dropout), dead=nodes)
-        report.fusions.append(record_for(op, PATTERN))
+            dropout = (_keep_mask(gm, args[0], value(args[-3]).dtype, dropout_p), dropout_p) if dropout_p else ()
+        target = torch.ops.graphopt.lora_linear_4bit.default if quantized else torch.ops.graphopt.lora_linear.default
+        op = replace(end, target, (*args, value(end).dtype, *dropout), dead=nodes)
+        report.fusions.append(record_for(op, PATTERN_4BIT if quantized else PATTERN))
         fused += 1
+    _erase_unused_subgraphs(gm)
     gm.recompile()
     return fused
+
+
+def _erase_unused_subgraphs(gm: GraphModule) -> None:
+    """The forward and backward subgraphs of the 4-bit matmuls fused away: nothing reads them any more."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        if not node.users and isinstance(getattr(gm, node.target, None), GraphModule):
+            gm.graph.erase_node(node)
+            delattr(gm, node.target)

@@ -258,6 +258,13 @@ def _lora_linear_flops(x_shape, weight_shape, bias_shape, lora_a_shape, lora_b_s
     return 2 * rows * out_features * in_features + 2 * rows * rank * (in_features + out_features)
 
 
+@register_flop_formula(torch.ops.graphopt.lora_linear_4bit)
+def _lora_linear_4bit_flops(x_shape, packed_shape, shape, absmax_shape, blocksize, quant_type, bias_shape,
+                            absmax_8bit_shape, absmax_code_shape, absmax_offset_shape, lora_a_shape, *args, **kwargs):
+    rows, (out_features, in_features), rank = _rows(x_shape), shape, lora_a_shape[0]
+    return 2 * rows * out_features * in_features + 2 * rows * rank * (in_features + out_features)
+
+
 @register_flop_formula(torch.ops.graphopt.linear_cross_entropy)
 def _linear_cross_entropy_flops(hidden_shape, weight_shape, bias_shape, target_shape, ignore_index, reduction,
                                 softcap, chunk_rows, grad_hidden, grad_weight, **kwargs):

@@ -461,27 +461,6 @@ def test_merged_adapters_leave_no_lora_nodes_and_no_misses(merge, use_dora):
     assert relative_error(expected, unmerged) <= 1e-5
 
 
-def test_qlora_4bit_base_stays_unfused():
-    """A bitsandbytes nf4 base computes through bnb.matmul_4bit, not a linear: a miss, and the numbers hold."""
-    bnb = pytest.importorskip("bitsandbytes")
-    torch.manual_seed(0)
-    base = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.float32, quant_type="nf4")
-    base.weight = bnb.nn.Params4bit(torch.randn(32, 64), requires_grad=False, quant_type="nf4").to("cpu")
-    model = peft.get_peft_model(torch.nn.Sequential(base),
-                                peft.LoraConfig(r=4, target_modules=["0"], init_lora_weights=False))
-    x = torch.randn(3, 64, requires_grad=True)
-    torch._dynamo.reset()
-    first = len(graphopt.reports())
-    out = torch.compile(model, backend="graphopt")(x)
-    (grad,) = torch.autograd.grad(out.sum(), x)
-    expected = model(x)
-    (expected_grad,) = torch.autograd.grad(expected.sum(), x)
-    misses = [m for report in graphopt.reports()[first:] for m in report.misses]
-    assert not any(r.fusions for r in graphopt.reports()[first:])
-    assert len(misses) == 1 and "quantized" in misses[0].reason
-    assert relative_error(out, expected) <= 1e-6 and relative_error(grad, expected_grad) <= 1e-6
-
-
 # --- what it saves, and whole models ----------------------------------------------------------------------
 
 def compiled_step_saves(options):

@@ -1,0 +1,130 @@
+"""QLoRA: graphopt::lora_linear_4bit (lowering/ops.py) and its fusion (passes/fuse_lora.py) around bitsandbytes'
+4-bit bases. The op against an fp64 computation on the weight bitsandbytes itself dequantizes (NF4 and FP4, double
+quantization or not, block sizes 64 and 128, odd feature counts, ranks up to 128, with and without dropout);
+opcheck; tiny HF models loaded with BitsAndBytesConfig(load_in_4bit=True) and PEFT LoRA, compiled: every 4-bit
+layer fused, loss and every LoRA gradient equal to eager, the packed base unchanged by training."""
+
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import graphopt
+from graphs import relative_error
+from models import ARCHITECTURES, COMMON
+
+bnb = pytest.importorskip("bitsandbytes")
+import peft  # noqa: E402
+import transformers  # noqa: E402
+from bitsandbytes import functional as bnb_functional  # noqa: E402
+
+OP = torch.ops.graphopt.lora_linear_4bit.default
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def quantized(out_features, in_features, quant_type, blocksize, nested, seed=0):
+    """(bitsandbytes::gemm_4bit's base arguments, the weight bitsandbytes dequantizes them to) of a random weight."""
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    packed, state = bnb_functional.quantize_4bit(weight, blocksize=blocksize, quant_type=quant_type,
+                                                 compress_statistics=nested)
+    absmax = (state.state2.absmax, state.absmax, state.state2.code, state.offset) if nested else (
+        state.absmax, None, None, None)
+    args = (packed, [out_features, in_features], absmax[0], blocksize, quant_type, None, *absmax[1:])
+    return args, bnb_functional.dequantize_4bit(packed, state)
+
+
+def expected(x, weight, lora_a, lora_b, scaling, keep, p):
+    """(output, grad_x, grad_a, grad_b) of sum(output · probe) in fp64, the base weight as bitsandbytes gives it."""
+    x64, a64, b64 = (t.detach().double().requires_grad_() for t in (x, lora_a, lora_b))
+    dropped = x64 if keep is None else x64 * keep / (1 - p)
+    out = x64 @ weight.double().t() + scaling * (dropped @ a64.t()) @ b64.t()
+    probe = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).reshape(out.shape)
+    return (out, *torch.autograd.grad((out * probe).sum(), (x64, a64, b64))), probe
+
+
+@settings(max_examples=24, deadline=None)
+@given(quant_type=st.sampled_from(["nf4", "fp4"]), blocksize=st.sampled_from([64, 128]), nested=st.booleans(),
+       out_features=st.integers(1, 48), in_features=st.integers(1, 48).map(lambda n: 2 * n + 1),
+       rank=st.sampled_from([1, 4, 16, 128]), rows=st.integers(1, 9), dtype=st.sampled_from(list(TOLERANCE)),
+       dropout=st.booleans())
+def test_matches_fp64_on_the_weight_bitsandbytes_dequantizes(quant_type, blocksize, nested, out_features,
+                                                              in_features, rank, rows, dtype, dropout):
+    args, weight = quantized(out_features, in_features, quant_type, blocksize, nested)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, in_features, generator=g).to(dtype).requires_grad_()
+    lora_a = (torch.randn(rank, in_features, generator=g) / in_features ** 0.5).requires_grad_()
+    lora_b = (torch.randn(out_features, rank, generator=g) / rank ** 0.5).requires_grad_()
+    keep, p = (torch.rand(x.shape, generator=g) > 0.3, 0.3) if dropout else (None, 0.0)
+    out = OP(x, *args, lora_a, lora_b, 0.5, dtype, *((keep, p) if dropout else ()))
+    (want, *want_grads), probe = expected(x, weight.to(dtype), lora_a, lora_b, 0.5, keep, p)
+    grads = torch.autograd.grad((out.double() * probe).sum(), (x, lora_a, lora_b))
+    assert out.dtype == dtype
+    for got, wanted in zip((out, *grads), (want, *want_grads)):
+        assert relative_error(got, wanted) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_opcheck(nested):
+    args, _ = quantized(24, 40, "nf4", 64, nested)
+    x = torch.randn(3, 40, requires_grad=True)
+    lora_a, lora_b = torch.randn(8, 40, requires_grad=True), torch.randn(24, 8, requires_grad=True)
+    torch.library.opcheck(OP, (x, *args, lora_a, lora_b, 2.0, torch.float32))
+
+
+def test_a_bad_packed_weight_is_refused():
+    args, _ = quantized(24, 40, "nf4", 64, False)
+    with pytest.raises(RuntimeError, match="packed must hold the"):
+        OP(torch.randn(2, 40), args[0][:-1], *args[1:], torch.randn(4, 40), torch.randn(24, 4), 1.0, torch.float32)
+
+
+def qlora_model(arch, quant_type="nf4", nested=True, compute_dtype=torch.float32):
+    """A tiny HF model saved, loaded back with a bitsandbytes 4-bit base, and given LoRA on every linear."""
+    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as directory:
+        model_cls(config_cls(**COMMON, **extra)).save_pretrained(directory)
+        quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                                       bnb_4bit_use_double_quant=nested,
+                                                       bnb_4bit_compute_dtype=compute_dtype)
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization,
+                                                                  device_map="cpu")
+    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    return peft.get_peft_model(model, lora).train()
+
+
+def loss_and_grads(model, ids, forward=None):
+    """The loss of forward (model itself, or model compiled) and the gradients it leaves in model's adapters."""
+    model.zero_grad(set_to_none=True)
+    loss = (model if forward is None else forward)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("arch, quant_type, nested", [("llama", "nf4", True), ("qwen2", "fp4", False),
+                                                       ("gemma", "nf4", False)])
+def test_qlora_models_fuse_every_4bit_layer_and_train_as_eager(arch, quant_type, nested, fresh_dynamo):
+    model = qlora_model(arch, quant_type, nested)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    packed = {n: p.clone() for n, p in model.named_parameters() if p.dtype == torch.uint8}
+    eager_loss, eager_grads = loss_and_grads(model, ids)
+    loss, grads = loss_and_grads(model, ids, torch.compile(model, backend="graphopt"))
+    report = graphopt.last_report()
+    assert report.summary().get("lora_4bit") == 7 * COMMON["num_hidden_layers"] and "lora" not in report.summary()
+    assert not [m for m in report.misses if m.pattern == "lora"]
+    assert relative_error(loss, eager_loss) <= 1e-5
+    assert all(relative_error(grads[n], eager_grads[n]) <= 1e-5 for n in eager_grads)
+    torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2).step()
+    assert all(torch.equal(p, packed[n]) for n, p in model.named_parameters() if p.dtype == torch.uint8)
+    assert any("lora_linear_4bit" in r.op for r in report.lowering)
+
+
+def test_a_base_computing_in_another_dtype_stays_unfused(fresh_dynamo):
+    """bnb_4bit_compute_dtype bf16 under an fp32 model: eager rounds the base through bf16, the op would not."""
+    model = qlora_model("llama", compute_dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    eager_loss, _ = loss_and_grads(model, ids)
+    loss, _ = loss_and_grads(model, ids, torch.compile(model, backend="graphopt"))
+    misses = [m for m in graphopt.last_report().misses if m.pattern == "lora"]
+    assert len(misses) == 14 and all("computes in torch.bfloat16" in m.reason for m in misses)
+    assert relative_error(loss, eager_loss) <= 1e-5
