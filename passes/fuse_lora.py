@@ -17,8 +17,10 @@ subgraph of its own; PEFT's bnb layer then clones the result:
   xc = x[.to(compute dtype)];  out = autograd_function_apply(fwd, bwd, W.view(-1, 1), xc, *quant state)[0]
   base = out[.to(x's dtype)][.clone()]
 where fwd is bitsandbytes::gemm_4bit(xc, B, shape, absmax, blocksize, quant_type, bias=, absmax_8bit=, …) and
-nothing else: the op takes gemm_4bit's arguments. A base computing in another dtype than its input, or a forward
-of another form (another bitsandbytes version), stays unfused with a miss; so does LLM.int8 (`Linear8bitLt`).
+nothing else: the op takes gemm_4bit's arguments; where no input needs a gradient Dynamo inlines the Function and
+gemm_4bit sits in the graph itself. A base computing in another dtype than its input, a forward of another form
+(another bitsandbytes version), a 4-bit base under torch.autocast (the op has no autocast rule yet) and LLM.int8
+(`Linear8bitLt`) stay unfused with a miss that says which.
 
 DoRA (use_dora=True) is never fused; it gets one miss per DoRA adapter the graph shows, never two. Dynamo hands
 it over in one of two forms:
@@ -41,7 +43,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from graphopt.passes.describe import module_classes, module_path, record_for
-from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, value
+from graphopt.passes.match import (FUSABLE_DTYPES, autocast_dtype, autocast_regions, is_call, is_cast, is_scalar,
+                                   is_tensor, only_user, value)
 from graphopt.passes.rewrite import Miss, replace
 
 PATTERN = "lora"
@@ -97,7 +100,7 @@ def _dora_miss(lora_b: Node, in_model: bool):
     return record
 
 
-def _match(lora_b: Node):
+def _match(lora_b: Node, under_autocast: bool):
     a_out, b_weight, b_bias = _linear_args(lora_b)
     if b_bias is not None:
         raise Miss("lora_B has a bias (lora_bias=True)")
@@ -121,11 +124,16 @@ def _match(lora_b: Node):
     # attributes as graph inputs): the op takes it as it comes, so a changed scaling is used, never a stale one
     if not (is_scalar(scaling) or isinstance(value(scaling), torch.SymFloat)):
         raise Miss("the LoRA scaling is neither a constant nor a float read by the graph")
-    add = only_user(mul)
+    add, lora_out = only_user(mul), mul
+    if is_cast(add):  # PEFT's bitsandbytes layers cast the LoRA output to the result's dtype, then add (the op
+        lora_out, add = add, only_user(add)  # rounds once, after its fp32 add: at most eager's rounding apart)
     if not is_call(add, torch.add) or len(add.args) != 2 or add.kwargs:
         raise Miss("the scaled LoRA output is not added to the base output")
-    base = add.args[0] if add.args[1] is mul else add.args[1]
-    quantized = _quantized_base(base, x)
+    base = add.args[0] if add.args[1] is lora_out else add.args[1]
+    if not is_call(base, *_LINEAR) and "Linear8bitLt" in module_classes(lora_b):  # PEFT's layer for an 8-bit base
+        raise Miss("an 8-bit base (bitsandbytes' LLM.int8, load_in_8bit) is not fused: graphopt's op takes 4-bit "
+                   "bases (load_in_4bit)")
+    quantized = _quantized_base(base, x, under_autocast)
     if quantized is not None:
         base_args, base_nodes = quantized
     elif is_call(base, *_LINEAR):
@@ -148,11 +156,12 @@ def _match(lora_b: Node):
     if (user := only_user(add)) is not None and is_cast(user):
         end = user
     scaling = float(scaling) if is_scalar(scaling) else scaling
-    nodes = [end, add, mul, lora_b, a_out, *base_nodes] + dropped + ([x_adapter] if x_adapter is not x else [])
+    nodes = [end, add, lora_out, mul, lora_b, a_out, *base_nodes] + dropped + (
+        [x_adapter] if x_adapter is not x else [])
     return (x, *base_args, a_weight, b_weight, scaling), dropout_p, end, nodes, quantized is not None
 
 
-def _quantized_base(base: Node, x: Node):
+def _quantized_base(base: Node, x: Node, under_autocast: bool):
     """(lora_linear_4bit's base arguments: packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit,
     absmax_code, absmax_offset; the nodes that compute the base) when base is bitsandbytes' 4-bit matmul of x
     (see the module's docstring), None when it is not that call at all; Miss when it is, in a form not fused."""
@@ -175,6 +184,9 @@ def _quantized_base(base: Node, x: Node):
             raise Miss("the base is an autograd.Function other than bitsandbytes' 4-bit matmul as graphopt knows it "
                        f"(its forward calls {', '.join(_op_name(n.target) for n in calls) or 'nothing'})")
         outer = dict(zip(forward.graph.find_nodes(op="placeholder"), apply.args[2:]))  # its inputs → this graph's
+
+    if under_autocast:  # the op has no autocast rule yet: eager runs the adapters in the autocast dtype, the base not
+        raise Miss("a 4-bit base under torch.autocast is not fused yet")
 
     def ours(arg):
         return outer.get(arg, arg) if isinstance(arg, Node) else arg
@@ -237,6 +249,7 @@ def fuse_lora(gm: GraphModule, report) -> int:
     """Replace each matched LoRA linear with one graphopt::lora_linear node; record fusions and misses."""
     fused = 0
     dora_recorded = set()
+    regions = autocast_regions(gm.graph)
     for lora_b in [n for n in gm.graph.nodes if _is_lora_b(n) or _is_frame_lora_b(n)]:
         in_model = _is_lora_b(lora_b)
         if _in_dora(lora_b):
@@ -247,7 +260,8 @@ def fuse_lora(gm: GraphModule, report) -> int:
         if not in_model:
             continue  # a frame's own lora_B outside DoRA: not a candidate (as before)
         try:
-            args, dropout_p, end, nodes, quantized = _match(lora_b)
+            under_autocast = autocast_dtype(regions[lora_b], value(lora_b).device.type) is not None
+            args, dropout_p, end, nodes, quantized = _match(lora_b, under_autocast)
         except Miss as miss:
             report.misses.append(record_for(lora_b, PATTERN, str(miss)))
             continue

@@ -78,8 +78,9 @@ def test_a_bad_packed_weight_is_refused():
         OP(torch.randn(2, 40), args[0][:-1], *args[1:], torch.randn(4, 40), torch.randn(24, 4), 1.0, torch.float32)
 
 
-def qlora_model(arch, quant_type="nf4", nested=True, compute_dtype=torch.float32):
-    """A tiny HF model saved, loaded back with a bitsandbytes 4-bit base, and given LoRA on every linear."""
+def qlora_model(arch, quant_type="nf4", nested=True, compute_dtype=torch.float32, dtype=torch.float32):
+    """A tiny HF model saved, loaded back in dtype with a bitsandbytes 4-bit base, and given LoRA on every linear
+    (its adapters in fp32, PEFT's default)."""
     config_cls, model_cls, extra = ARCHITECTURES[arch]
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as directory:
@@ -88,7 +89,7 @@ def qlora_model(arch, quant_type="nf4", nested=True, compute_dtype=torch.float32
                                                        bnb_4bit_use_double_quant=nested,
                                                        bnb_4bit_compute_dtype=compute_dtype)
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization,
-                                                                  device_map="cpu")
+                                                                  device_map="cpu", dtype=dtype)
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
     return peft.get_peft_model(model, lora).train()
 
@@ -128,3 +129,48 @@ def test_a_base_computing_in_another_dtype_stays_unfused(fresh_dynamo):
     misses = [m for m in graphopt.last_report().misses if m.pattern == "lora"]
     assert len(misses) == 14 and all("computes in torch.bfloat16" in m.reason for m in misses)
     assert relative_error(loss, eager_loss) <= 1e-5
+
+
+def test_bf16_qlora_fuses_and_trains_as_eager_within_bf16(fresh_dynamo):
+    """The usual QLoRA set-up: a bf16 model computing its 4-bit base in bf16, fp32 adapters (PEFT's bnb layer casts
+    their output to bf16 before the add; the op adds in fp32 and rounds once)."""
+    model = qlora_model("llama", compute_dtype=torch.bfloat16, dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    eager_loss, eager_grads = loss_and_grads(model, ids)
+    loss, grads = loss_and_grads(model, ids, torch.compile(model, backend="graphopt"))
+    assert graphopt.last_report().summary().get("lora_4bit") == 7 * COMMON["num_hidden_layers"]
+    assert torch.allclose(loss, eager_loss, atol=1e-2, rtol=5e-2)  # Liger's bf16 convergence tolerances
+    assert all(relative_error(grads[n], eager_grads[n]) <= 5e-2 for n in eager_grads)
+
+
+def test_a_4bit_base_under_autocast_stays_unfused(fresh_dynamo):
+    model = qlora_model("llama")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", torch.bfloat16):
+        eager_loss, _ = loss_and_grads(model, ids)
+        loss, _ = loss_and_grads(model, ids, torch.compile(model, backend="graphopt"))
+    misses = [m for m in graphopt.last_report().misses if m.pattern == "lora"]
+    assert len(misses) == 14 and {m.reason for m in misses} == {"a 4-bit base under torch.autocast is not fused yet"}
+    assert torch.allclose(loss, eager_loss, atol=1e-2, rtol=5e-2)
+
+
+def test_an_8bit_base_is_a_miss_that_says_so(fresh_dynamo):
+    """LLM.int8 (load_in_8bit): a miss naming it where bitsandbytes' int8 matmul runs; where no input needs a
+    gradient (the first layer's q, k, v) bitsandbytes computes a plain linear of the weight it dequantizes, which
+    fuses as any linear. The numbers are eager's either way."""
+    config_cls, model_cls, extra = ARCHITECTURES["llama"]
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as directory:
+        model_cls(config_cls(**COMMON, **extra)).save_pretrained(directory)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, quantization_config=transformers.BitsAndBytesConfig(load_in_8bit=True), device_map="cpu")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    eager_loss, eager_grads = loss_and_grads(model.train(), ids)
+    loss, grads = loss_and_grads(model, ids, torch.compile(model, backend="graphopt"))
+    report = graphopt.last_report()
+    misses = [m for m in report.misses if m.pattern == "lora"]
+    assert len(misses) + report.summary().get("lora", 0) == 14 and len(misses) >= 11
+    assert all("8-bit base (bitsandbytes' LLM.int8, load_in_8bit)" in m.reason for m in misses)
+    assert relative_error(loss, eager_loss) <= 1e-5
+    assert all(relative_error(grads[n], eager_grads[n]) <= 1e-5 for n in eager_grads)
