@@ -83,7 +83,8 @@ def main() -> None:
                 sys.exit(f"{mode} failed:\n{done.stderr[-4000:]}")
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     cold = rows[1]["first_step_s"]
-    print(f"| process | first step s | ×cold | step ms | cache hits (AOTAutograd, FX graph) |\n| --- | ---: | ---: | ---: | --- |")
+    print("| process | first step s | ×cold | step ms | cache hits (AOTAutograd, FX graph) |\n"
+          "| --- | ---: | ---: | ---: | --- |")
     print(f"| graphopt.optimize | {rows[0]['seconds']:.1f} (the optimize call) | | | |")
     for row in rows[1:]:
         print(f"| {row['mode']} | {row['first_step_s']:.1f} | {row['first_step_s'] / cold:.0%} | "

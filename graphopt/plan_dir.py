@@ -9,10 +9,11 @@
     DIR/manifest.json  the SHA-256 of each file above
 
 A later process compiling the same model with options={"plan": DIR} checks the versions and the device, loads the
-compiled files, and gives each graph the decisions saved for the graph of the same inputs: the same fusions (checked),
-the memory plan the first compile chose, without its search. AOTAutograd and Inductor then find every graph in their
-caches instead of tracing the backward, partitioning and compiling it. The compiled files are code: they load only from the directory named, only when their hashes
-match the manifest, and a plan directory is to be trusted like a Python package.
+compiled files, and gives each graph the decisions saved for the graph of the same inputs: the same fusions
+(checked), the memory plan the first compile chose, without its search. AOTAutograd and Inductor then find every
+graph in their caches instead of tracing the backward, partitioning and compiling it. The compiled files are code:
+they load only from the directory named, only when their hashes match the manifest, and a plan directory is to be
+trusted like a Python package.
 
 Why the cache folder and not torch.compiler.save_cache_artifacts(): those artifacts hold the FX graph cache's
 entries but not the C++ builds of CPU kernels, which a later process then builds again (tiny model on the CPU: a

@@ -1,15 +1,15 @@
-"""PEFT LoRA Linear → graphopt::lora_linear.
+"""PEFT LoRA Linear → graphopt::lora_linear, or graphopt::lora_linear_4bit over a bitsandbytes 4-bit base.
 
 Matches (after passes/normalize.py) what PEFT's lora.Linear.forward records:
   base = linear(x, W[, bias]);  xa = linear(x[.to(adapter dtype)], A);  out = base + linear(xa, B) * scaling
   [→ .to(result dtype)]
-with one active adapter and a frozen plain-linear base, or a bitsandbytes 4-bit base (QLoRA, below). PEFT's lora_dropout sits between the cast and lora_A:
-in eval mode (training=False) it is the identity and drops out of the match; in training it becomes a keep mask
-drawn in the graph, as CPU eager's dropout draws it (empty_like(x).bernoulli_(1 - p); under Inductor from its
-own random stream, as any compiled dropout), which the op applies to the adapters' input in the forward and to
-their gradient in the backward. Every linear traced inside a `lora_B` module is a candidate; one that does not
-match in full (several active adapters, a quantized or trainable base, a lora_B bias, an in-place or
-non-constant dropout) stays unfused with a miss record.
+with one active adapter and a frozen plain-linear base, or a bitsandbytes 4-bit base (QLoRA, below). PEFT's
+lora_dropout sits between the cast and lora_A: in eval mode (training=False) it is the identity and drops out of
+the match; in training it becomes a keep mask drawn in the graph, as CPU eager's dropout draws it
+(empty_like(x).bernoulli_(1 - p); under Inductor from its own random stream, as any compiled dropout), which the op
+applies to the adapters' input in the forward and to their gradient in the backward. Every linear traced inside a
+`lora_B` module is a candidate; one that does not match in full (several active adapters, a trainable base, a
+lora_B bias, an in-place or non-constant dropout) stays unfused with a miss record.
 
 A bitsandbytes 4-bit base (`Linear4bit`, NF4 or FP4, double-quantized or not) becomes graphopt::lora_linear_4bit.
 bitsandbytes' 4-bit matmul is an autograd.Function, which Dynamo records as one higher-order call whose forward is a

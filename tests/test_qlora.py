@@ -39,7 +39,7 @@ def expected(x, weight, lora_a, lora_b, scaling, keep, p):
     x64, a64, b64 = (t.detach().double().requires_grad_() for t in (x, lora_a, lora_b))
     dropped = x64 if keep is None else x64 * keep / (1 - p)
     out = x64 @ weight.double().t() + scaling * (dropped @ a64.t()) @ b64.t()
-    probe = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).reshape(out.shape)
+    probe = torch.linspace(-1, 1, out.numel(), dtype=torch.float64, device=out.device).reshape(out.shape)
     return (out, *torch.autograd.grad((out * probe).sum(), (x64, a64, b64))), probe
 
 
@@ -174,3 +174,47 @@ def test_an_8bit_base_is_a_miss_that_says_so(fresh_dynamo):
     assert all("8-bit base (bitsandbytes' LLM.int8, load_in_8bit)" in m.reason for m in misses)
     assert relative_error(loss, eager_loss) <= 1e-5
     assert all(relative_error(grads[n], eager_grads[n]) <= 1e-5 for n in eager_grads)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="bitsandbytes' CUDA kernels need a GPU")
+
+
+@CUDA
+@pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("fp4", False)])
+def test_cuda_op_matches_fp64(quant_type, nested):
+    """On the GPU the base is dequantized by bitsandbytes' CUDA kernels; bf16 input, fp32 adapters."""
+    weight = torch.randn(96, 200, generator=torch.Generator().manual_seed(0)).cuda()
+    packed, state = bnb_functional.quantize_4bit(weight, blocksize=64, quant_type=quant_type,
+                                                 compress_statistics=nested)
+    absmax = (state.state2.absmax, state.absmax, state.state2.code, state.offset) if nested else (
+        state.absmax, None, None, None)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 200, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    lora_a = (torch.randn(16, 200, generator=g) / 200 ** 0.5).cuda().requires_grad_()
+    lora_b = (torch.randn(96, 16, generator=g) / 4).cuda().requires_grad_()
+    out = OP(x, packed, [96, 200], absmax[0], 64, quant_type, None, *absmax[1:], lora_a, lora_b, 0.5, torch.bfloat16)
+    dequantized = bnb_functional.dequantize_4bit(packed, state).to(torch.bfloat16)
+    (want, *want_grads), probe = expected(x, dequantized, lora_a, lora_b, 0.5, None, 0.0)
+    grads = torch.autograd.grad((out.double() * probe).sum(), (x, lora_a, lora_b))
+    for got, wanted in zip((out, *grads), (want, *want_grads)):
+        assert relative_error(got.cpu(), wanted.cpu()) <= TOLERANCE[torch.bfloat16]
+
+
+@CUDA
+def test_cuda_bf16_qlora_model_fuses_and_trains_as_eager(fresh_dynamo):
+    config_cls, model_cls, extra = ARCHITECTURES["llama"]
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as directory:
+        model_cls(config_cls(**COMMON, **extra)).save_pretrained(directory)
+        quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                       bnb_4bit_use_double_quant=True,
+                                                       bnb_4bit_compute_dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization,
+                                                                  device_map="cuda", dtype=torch.bfloat16)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    eager_loss, eager_grads = loss_and_grads(model.train(), ids)
+    loss, grads = loss_and_grads(model, ids, torch.compile(model, backend="graphopt"))
+    assert graphopt.last_report().summary().get("lora_4bit") == 7 * COMMON["num_hidden_layers"]
+    assert torch.allclose(loss, eager_loss, atol=1e-2, rtol=5e-2)
+    assert all(relative_error(grads[n], eager_grads[n]) <= 5e-2 for n in eager_grads)
