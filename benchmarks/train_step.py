@@ -104,6 +104,30 @@ def build_model(config, dtype, device):
     return model
 
 
+def quantize_4bit(model, dtype):
+    """QLoRA's base: every projection of the decoder layers (not the lm_head) as a bitsandbytes NF4 Linear4bit with
+    double quantization, computing in dtype, quantized on its device from the weights it had (what from_pretrained
+    with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True) loads,
+    without a copy on disk)."""
+    import bitsandbytes as bnb
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, linear in list(parent.named_children()):
+                if not isinstance(linear, torch.nn.Linear):
+                    continue
+                device = linear.weight.device
+                quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                              compute_dtype=dtype, quant_type="nf4", compress_statistics=True,
+                                              device="meta")
+                quantized.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4",
+                                                     compress_statistics=True).to(device)
+                if linear.bias is not None:
+                    quantized.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+                setattr(parent, name, quantized)
+    return model
+
+
 def add_lora(model):
     from peft import LoraConfig, get_peft_model
 
@@ -131,7 +155,8 @@ def save_tokenizer(directory):
 
 def prepare_unsloth(args, config, dtype, device):
     """Unsloth loads only from a directory: save the random model and a tokenizer, then load them through
-    FastLanguageModel as a user would (16-bit LoRA, its own gradient checkpointing)."""
+    FastLanguageModel as a user would (LoRA on the 16-bit model, or with --quant nf4 its load_in_4bit=True QLoRA;
+    its own gradient checkpointing)."""
     from unsloth import FastLanguageModel
 
     # Kept alive by the caller until the process ends: the loaded model may still map the saved files.
@@ -150,7 +175,7 @@ def prepare_unsloth(args, config, dtype, device):
         model_name=model_dir,
         max_seq_length=args.seq if args.data == "fixed" else SFT_LENGTHS["longest"],
         dtype=dtype,
-        load_in_4bit=False,
+        load_in_4bit=args.quant == "nf4",
         use_exact_model_name=True,  # a local directory: no name remapping to Hub repos
         local_files_only=True,
         offload_embedding=False,  # keep every weight on the GPU, as in the other variants
@@ -187,7 +212,10 @@ def prepare(args, device, dtype):
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=True)
 
-    model = add_lora(build_model(config, dtype, device))
+    model = build_model(config, dtype, device)
+    if args.quant == "nf4":
+        quantize_4bit(model, dtype)
+    model = add_lora(model)
     # Liger's fused linear+cross-entropy only runs in training mode.
     model.train()
     if args.variant == "inductor":
@@ -515,6 +543,7 @@ def run(args):
         "pad_fraction": 1 - timed_tokens / timed_positions,
         "dtype": args.dtype,
         "autocast": args.autocast,
+        "quant": args.quant,
         "device": device.type,
         "steps": args.steps,
         "warmup": len(warmup_batches),
@@ -622,6 +651,7 @@ def print_table(path):
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in group:
             label = r["variant"] + (f" {r['options']}" if r.get("options") not in (None, "{}") else "")
+            label += " (QLoRA nf4)" if r.get("quant") == "nf4" else ""
             label += " (CUDA graphs: peak reserved)" if r.get("cuda_graphs") else ""
             print(f"| {label} | {_number(r['tokens_per_s'], 0)} | {_number(r['step_ms'], 1)} "
                   f"| {_number(_peak(r), 2)} "
@@ -655,6 +685,9 @@ def parse_args(argv):
     parser.add_argument("--warmup-every-shape", action="store_true",
                         help="--data padded or packed: warm up on one batch of each shape the timed steps meet too "
                              "(the steady state of a long run, where what is recorded per size has been recorded)")
+    parser.add_argument("--quant", choices=("none", "nf4"), default="none",
+                        help="nf4: QLoRA, the decoder's projections as bitsandbytes NF4 (double quantization) "
+                             "computing in --dtype; Unsloth loads with load_in_4bit=True")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--autocast", choices=sorted(AUTOCAST), default="none",
                         help="run the forward under torch.autocast of this dtype (HF's bf16=True: --dtype fp32 "
