@@ -10,12 +10,15 @@
   5. partition  what the backward saves, recomputes or offloads, under memory_budget  passes/recompute.py
                 and its peak memory estimate                             passes/offload.py, passes/memory.py
                 under CUDA graphs, the gradients and the loss leave the graphs' pool  passes/graph_pool.py
+                (with options.plan, 4–6 come from the plan directory's caches, the decision from its plan.json)
   6. lower      each graphopt op → the target's implementation; the rest → Inductor (or eager)   lowering/
   7. report     the plan every stage added to (graphopt/plan.py), published  graphopt/report.py
   8. hand back  outputs not computed become LogitsNotMaterialized      graphopt/logits.py
 
 Each stage adds its decisions to one Plan; the report renders it once the graph has compiled (or failed to).
 """
+
+import copy
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -130,7 +133,7 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
         with torch._functorch.config.patch(enable_autograd_cache=with_decision):
             compiled = compile_fx(gm, example_inputs, config_patches=settings, decompositions=decompositions)
         if saved is not None and plan.saved_for_backward is None:  # served by AOTAutograd's cache
-            plan.saved_for_backward = saved.saved_for_backward
+            plan.saved_for_backward = copy.deepcopy(saved.saved_for_backward)  # this graph's, to add to
         return compiled
 
     if explain:  # traced on the meta device: each call the target runs in another form is traced in that form
