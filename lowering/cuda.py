@@ -29,9 +29,11 @@ IMPLEMENTATIONS = {
                                                      "from x as saved (bf16), no fp32 copies, in four launches "
                                                      "(x·Aᵀ and dY·B; dA and dB over row splits; their sum; dX)",
     torch.ops.graphopt.lora_linear_4bit.default: "bitsandbytes' dequantize_4bit of the base into a temporary, then "
-                                                 "cuBLAS matmuls (kernels/reference.py): no fused 4-bit kernel yet",
+                                                 "lora_linear's kernels (cuBLAS base matmul + Triton kernels "
+                                                 "kernels/lora.py)",
     torch.ops.graphopt.lora_linear_4bit_backward.default: "bitsandbytes' dequantize_4bit of the base again, then "
-                                                          "cuBLAS matmuls (kernels/reference.py): dX, dA, dB",
+                                                          "lora_linear_backward's kernels (cuBLAS dY·W + Triton "
+                                                          "kernels kernels/lora.py: dX, dA, dB)",
     torch.ops.graphopt.linear_cross_entropy.default: "cuBLAS lm_head matmuls + Triton kernel kernels/cross_entropy.py:"
                                                      "_cross_entropy_chunk_kernel, one chunk of rows at a time "
                                                      "(logits never whole; gradient written over them in place)",
@@ -81,6 +83,13 @@ def lora_variant(x, weight, bias, lora_a, lora_b, dropout_mask=None):
     if lora.supported_dtypes(x.dtype, weight.dtype, lora_a.dtype):
         return None
     return LORA_IN_ONE_DTYPE.format(dtype=str(lora_a.dtype).removeprefix("torch."))
+
+
+def lora_4bit_variant(x, packed, absmax, bias, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b,
+                      dropout_mask=None):
+    """lora_variant for a 4-bit base, which is dequantized into x's dtype first."""
+    text = lora_variant(x, x, bias, lora_a, lora_b, dropout_mask)
+    return text and "bitsandbytes' dequantize_4bit of the base into a temporary, then " + text
 
 
 def sdpa_as_on_the_gpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -219,6 +228,25 @@ def _lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_
     return lora.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling)
 
 
+# QLoRA's base: dequantized by bitsandbytes into a temporary (the caching allocator hands the same block back to
+# the next layer's), then the dense LoRA kernels. At training sizes this beats dequantizing inside a Triton
+# matmul's main loop, which redoes each weight element once per tile of rows (benchmarks/RESULTS.md, QLoRA).
+def _lora_linear_4bit(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code,
+                      absmax_offset, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+    ops.check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
+    weight = reference.dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code,
+                                       absmax_offset, x.dtype)
+    return _lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
+
+
+def _lora_linear_4bit_backward(grad_out, x, packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code,
+                               absmax_offset, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
+    ops.check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
+    weight = reference.dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code,
+                                       absmax_offset, x.dtype)
+    return _lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
+
+
 # The caching allocator's expandable segments. Fine-tuning batches change length every step, and with fixed-size
 # segments the allocator splits and keeps blocks of every size met: on the H200, padded SFT batches at the
 # Llama-3.2-1B shape reserved 32.7 GiB for a 15.7 GiB peak, and the defaults' step took 380 ms instead of 205
@@ -253,6 +281,8 @@ def register() -> None:
     torch.library.register_kernel("graphopt::linear_logprobs_backward", "cuda", _linear_logprobs_backward)
     torch.library.register_kernel("graphopt::lora_linear", "cuda", _lora_linear)
     torch.library.register_kernel("graphopt::lora_linear_backward", "cuda", _lora_linear_backward)
+    torch.library.register_kernel("graphopt::lora_linear_4bit", "cuda", _lora_linear_4bit)
+    torch.library.register_kernel("graphopt::lora_linear_4bit_backward", "cuda", _lora_linear_4bit_backward)
     torch.library.register_kernel("graphopt::padded_attention", "cuda", _padded_attention)
     torch.library.register_kernel("graphopt::padded_attention_backward", "cuda", _padded_attention_backward)
     torch.library.register_kernel("graphopt::packed_attention", "cuda", _packed_attention)

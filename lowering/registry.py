@@ -53,6 +53,7 @@ def lowering_for(target: str) -> Lowering:
                         prepare=cuda.prefer_expandable_segments if target == "cuda" else None,
                         meta_stand_ins=dict(cuda.META_STAND_INS),
                         variants={torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
+                                  torch.ops.graphopt.lora_linear_4bit.default: cuda.lora_4bit_variant,
                                   torch.ops.graphopt.padded_attention.default: cuda.attention_variant,
                                   torch.ops.graphopt.packed_attention.default: cuda.attention_variant})
     if target == "cpu":

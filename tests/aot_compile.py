@@ -19,13 +19,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import KernelInterface
 
-from graphopt.kernels import (cross_entropy, gated_activation, layout, linear_logprobs, lora, matmul_4bit, rmsnorm,
-                              rope)
+from graphopt.kernels import cross_entropy, gated_activation, layout, linear_logprobs, lora, rmsnorm, rope
 
 # SMs or CUs of each target's GPU: H100/H200, A100, MI300X, one MI250X die (ROCm shows each as a GPU), RX 7900 XTX
 MULTIPROCESSORS = {"90": 132, "80": 108, "gfx942": 304, "gfx90a": 110, "gfx1100": 96}
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
-           torch.int32: "*i32", torch.bool: "*i1", torch.uint8: "*u8"}
+           torch.int32: "*i32", torch.bool: "*i1"}
 launches = []
 
 
@@ -91,18 +90,6 @@ def run_launch_functions(multiprocessors):
         per_row = randn(64, dtype=torch.float32)
         linear_logprobs.linear_logprobs_backward(per_row, per_row, *head[:4], per_row, per_row, *head[4:], 32, True,
                                                  True)
-        if dtype != torch.float32:  # QLoRA's base computes in 16 bits (bnb_4bit_compute_dtype)
-            base = quantized_base(randn(512, 256, dtype=torch.float32))
-            matmul_4bit.forward(randn(64, 256, dtype=dtype), *base, dtype)
-            matmul_4bit.backward(randn(64, 512, dtype=dtype), *base, dtype)
-
-
-def quantized_base(weight):
-    """kernels/matmul_4bit.py's base arguments for weight, NF4 with double quantization (bitsandbytes on the CPU)."""
-    from bitsandbytes import functional as bnb
-
-    packed, state = bnb.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
-    return packed, list(weight.shape), state.state2.absmax, 64, "nf4", state.absmax, state.state2.code, state.offset
 
 
 def main(backend, arch, warp_size):

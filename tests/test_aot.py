@@ -1,9 +1,9 @@
 """Every Triton kernel compiles ahead of time, without a GPU, for the GPUs graphopt targets: NVIDIA sm_80 and
 sm_90 (cubin) and AMD gfx942 (MI300), gfx90a (MI250) and gfx1100 (RDNA3) (hsaco), at the launch configurations
 each platform would use, for bf16, fp16 and fp32 inputs (tests/aot_compile.py does the compiling). The LoRA
-kernels' rank-r products and the 4-bit matmuls must become the target's matrix instructions. AMD's settings
-follow kernels/layout.py's rules: the family's (CDNA or RDNA) settings, NVIDIA's threads per program, 2 pipeline
-stages; and the LoRA reduce fills the GPU with 4 programs per multiprocessor."""
+kernels' rank-r products must become the target's matrix instructions. AMD's settings follow kernels/layout.py's
+rules: the family's (CDNA or RDNA) settings, NVIDIA's threads per program, 2 pipeline stages; and the LoRA reduce
+fills the GPU with 4 programs per multiprocessor."""
 
 import functools
 import json
@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 from aot_compile import MULTIPROCESSORS
-from graphopt.kernels import cross_entropy, gated_activation, linear_logprobs, lora, matmul_4bit, rmsnorm, rope
+from graphopt.kernels import cross_entropy, gated_activation, linear_logprobs, lora, rmsnorm, rope
 
-KERNELS = {name for module in (cross_entropy, gated_activation, linear_logprobs, lora, matmul_4bit, rmsnorm, rope)
+KERNELS = {name for module in (cross_entropy, gated_activation, linear_logprobs, lora, rmsnorm, rope)
            for name in vars(module) if name.endswith("_kernel")}
-MATRIX_KERNELS = {"_project_kernel", "_project_pair_kernel", "_reduce_rows_pair_kernel", "_add_low_rank_kernel",
-                  "_matmul_4bit_forward_kernel", "_matmul_4bit_backward_kernel"}
+MATRIX_KERNELS = {"_project_kernel", "_project_pair_kernel", "_reduce_rows_pair_kernel", "_add_low_rank_kernel"}
 TARGETS = {  # target → (its platform, matrix instructions every LoRA kernel must use and the others may not)
     ("cuda", "90", "32"): ("cuda", {"wgmma", "mma.sync"}),
     ("cuda", "80", "32"): ("cuda", {"mma.sync"}),

@@ -94,3 +94,8 @@ def test_cuda_report_names_the_fallback_the_inputs_take():
     assert cuda.lora_variant(x, weight, None, adapter, adapter) is None
     same = registry.Running(bf16, (8, 64), cpu)
     assert "all in bfloat16" in cuda.lora_variant(x, weight, None, same, same)
+    # a 4-bit base is dequantized into x's dtype first: the adapters alone decide
+    packed, absmax = registry.Running(torch.uint8, (1024, 1), cpu), registry.Running(fp32, (32,), cpu)
+    assert cuda.lora_4bit_variant(x, packed, absmax, None, None, None, None, adapter, adapter) is None
+    assert cuda.lora_4bit_variant(x, packed, absmax, None, None, None, None, same, same).startswith(
+        "bitsandbytes' dequantize_4bit")

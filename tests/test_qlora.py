@@ -215,6 +215,9 @@ def test_cuda_bf16_qlora_model_fuses_and_trains_as_eager(fresh_dynamo):
     ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
     eager_loss, eager_grads = loss_and_grads(model.train(), ids)
     loss, grads = loss_and_grads(model, ids, torch.compile(model, backend="graphopt"))
-    assert graphopt.last_report().summary().get("lora_4bit") == 7 * COMMON["num_hidden_layers"]
+    report = graphopt.last_report()
+    assert report.summary().get("lora_4bit") == 7 * COMMON["num_hidden_layers"]
+    ran = {r.op: r.implementation for r in report.lowering}
+    assert "kernels/lora.py" in ran["graphopt.lora_linear_4bit.default"]  # the dense LoRA kernels after dequantizing
     assert torch.allclose(loss, eager_loss, atol=1e-2, rtol=5e-2)
     assert all(relative_error(grads[n], eager_grads[n]) <= 5e-2 for n in eager_grads)
