@@ -106,15 +106,27 @@ def optimize(model: torch.nn.Module, example_inputs: dict, out_dir, options: dic
 
 
 def main(argv=None) -> None:
-    """`graphopt optimize MODEL --out DIR [--batch B --seq S --options JSON]`."""
+    """`graphopt optimize MODEL --out DIR [--batch B --seq S --options JSON]`, or with `--export FORMAT
+    [--decompose --merge-lora]` an inference program of the fused model (graphopt/export.py)."""
     import argparse
+
+    from graphopt.export import COMMAND_FORMATS, command
 
     parser = argparse.ArgumentParser(prog="graphopt optimize", description=optimize.__doc__.split(".")[0])
     model_source.add_arguments(parser)
     parser.add_argument("--out", required=True, help="the plan directory to write")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--export", metavar="FORMAT", choices=COMMAND_FORMATS,
+                        help="write an inference program of the fused model instead of a training plan: "
+                             f"{', '.join(COMMAND_FORMATS)} (docs/export.md)")
+    parser.add_argument("--decompose", action="store_true", help="with --export: graphopt's ops decomposed into "
+                                                                 "standard ops (ONNX runnable in onnxruntime)")
+    parser.add_argument("--merge-lora", action="store_true", help="with --export: LoRA merged into the base "
+                                                                  "weights (PEFT's merge_and_unload)")
     args = parser.parse_args(argv)
     model = model_source.load_model(args.model, model_source.DTYPES[args.dtype], args.device, args.lora_rank)
+    if args.export:
+        return command(model, args)
     out = optimize(model, model_source.example_inputs(model, args.batch, args.seq, args.device), args.out,
                    json.loads(args.options))
     print((out / "report.txt").read_text())
