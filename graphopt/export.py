@@ -270,7 +270,7 @@ def _check(example_inputs, format, mlir_output, raw_options) -> Options:
                               f"be at least 2 (torch.export specializes a size of 1 into the program); the program "
                               f"then takes any size")
     if format == "onnx":
-        from graphopt import export_onnx  # noqa: F401  (ImportError names the packages)
+        _export_onnx()
     if format == "mlir":
         _torch_mlir()
     return options
@@ -291,14 +291,20 @@ def _check_ops(gm, format, decompose):
             raise ExportError(f"{op} has no decomposition into standard ops (its reference runs bitsandbytes' "
                               f"ops): export with decompose=False")
         if format == "onnx" and not decompose:
-            from graphopt import export_onnx
-
-            export_onnx.check(node)
+            _export_onnx().check(node)
 
 
 def _graphopt_calls(graph) -> list:
     return [node for node in graph.nodes if node.op == "call_function"
             and isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "graphopt"]
+
+
+def _export_onnx():
+    try:
+        from graphopt import export_onnx
+    except ImportError as error:
+        raise ImportError(f"format=\"onnx\" needs onnx and onnxscript ({error}): pip install graphopt[onnx]") from error
+    return export_onnx
 
 
 def _torch_mlir():
@@ -314,9 +320,7 @@ def _torch_mlir():
 def _artifact(program, format, mlir_output, input_names, output_names):
     """The ONNX program or MLIR text, made in memory (the "torch" program is saved as it is)."""
     if format == "onnx":
-        from graphopt import export_onnx
-
-        return export_onnx.to_onnx(program, input_names, output_names)
+        return _export_onnx().to_onnx(program, input_names, output_names)
     if format == "mlir":
         module = _torch_mlir().export_and_import(program, output_type=mlir_output, func_name="forward")
         return str(module)

@@ -2,6 +2,8 @@
 graphopt.load runs as eager does, as ONNX (com.graphopt ops, or standard ops run by onnxruntime) and as MLIR
 through torch-mlir; what an export cannot take is refused before any file is written."""
 
+import collections
+import importlib.util
 import json
 import subprocess
 import sys
@@ -107,6 +109,106 @@ def test_merged_and_decomposed_the_program_holds_standard_ops_only(tmp_path):
     assert relative_error(out, eager_logits(model, inputs), inputs["attention_mask"]) <= 1e-5
 
 
+# --- "onnx" -------------------------------------------------------------------------------------------------
+
+def _missing(*packages) -> list:
+    return [name for name in packages if importlib.util.find_spec(name) is None]
+
+
+needs_onnx = pytest.mark.skipif(bool(_missing("onnx", "onnxscript", "onnxruntime")),
+                                reason=f"not installed: {_missing('onnx', 'onnxscript', 'onnxruntime')}")
+
+
+def graphopt_nodes(model_proto) -> collections.Counter:
+    return collections.Counter(n.op_type for n in model_proto.graph.node if n.domain == "com.graphopt")
+
+
+@needs_onnx
+@pytest.mark.parametrize("merge_lora", [False, True], ids=["lora", "merged"])
+def test_decomposed_onnx_runs_in_onnxruntime_as_torch(merge_lora, tmp_path):
+    import onnx
+    import onnxruntime
+
+    model = tiny_lora_model("llama", num_hidden_layers=1)
+    graphopt.export(model, batch(2, 16), tmp_path, format="onnx", decompose=True, merge_lora=merge_lora)
+    proto = onnx.load(tmp_path / "model.onnx")
+    onnx.checker.check_model(proto, full_check=True)
+    assert not graphopt_nodes(proto) and {o.domain for o in proto.opset_import} == {""}
+    assert proto.graph.input[0].name == "input_ids" and proto.graph.output[0].name == "logits"
+    assert [d.dim_param for d in proto.graph.input[0].type.tensor_type.shape.dim] == ["batch", "seq"]
+
+    session = onnxruntime.InferenceSession(tmp_path / "model.onnx")
+    for size, length in ((2, 16), (3, 7)):
+        inputs = batch(size, length)
+        logits = session.run(["logits"], {name: t.numpy() for name, t in inputs.items()})[0]
+        assert relative_error(logits, eager_logits(model, inputs), inputs["attention_mask"]) <= 1e-4
+
+
+def _reference_ops():
+    """onnx's reference evaluator kernels for the com.graphopt ops: graphopt's own references (the definition of
+    each schema) on numpy arrays, the attributes as the schemas name them."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+    from onnx.reference.op_run import OpRun
+
+    from graphopt.kernels import reference
+
+    def kernel(name, run):
+        def _run(self, *inputs, **attributes):
+            tensors = [None if x is None else torch.from_numpy(x.copy()) for x in inputs]
+            if "out_dtype" in attributes:
+                attributes["out_dtype"] = getattr(torch, str(tensor_dtype_to_np_dtype(attributes["out_dtype"])))
+            outputs = run(*tensors, **attributes)
+            return tuple(t.contiguous().numpy() for t in (outputs if isinstance(outputs, tuple) else (outputs,)))
+
+        return type(name, (OpRun,), {"op_domain": "com.graphopt", "_run": _run})
+
+    return [
+        kernel("rms_norm", lambda x, w, eps, weight_offset, out_dtype: reference.rms_norm(x, w, eps, weight_offset,
+                                                                                          out_dtype)),
+        kernel("gated_activation", lambda g, u, activation: reference.gated_activation(g, u, activation)),
+        kernel("rope", lambda q, k, cos, sin: reference.rope(q, k, cos, sin)),
+        kernel("lora_linear", lambda x, w, b, a, bb, scaling, out_dtype: reference.lora_linear(x, w, b, a, bb, scaling,
+                                                                                               out_dtype)),
+        kernel("padded_attention", lambda q, k, v, keep, scale: reference.padded_attention(q, k, v, keep, scale)),
+        kernel("packed_attention", lambda q, k, v, p, scale: reference.packed_attention(q, k, v, p, scale)),
+    ]
+
+
+@needs_onnx
+@pytest.mark.parametrize("merge_lora", [False, True], ids=["lora", "merged"])
+def test_the_com_graphopt_onnx_names_each_op_once_per_use(merge_lora, tmp_path):
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    model = tiny_lora_model("llama", num_hidden_layers=1)
+    graphopt.export(model, batch(2, 16), tmp_path, format="onnx", merge_lora=merge_lora)
+    proto = onnx.load(tmp_path / "model.onnx")
+    onnx.checker.check_model(proto, full_check=True)  # every com.graphopt node against its registered schema
+    assert {(o.domain, o.version) for o in proto.opset_import} >= {("com.graphopt", 1)}
+    program_ops = json.loads((tmp_path / "export.json").read_text())["graphopt_ops"]
+    assert graphopt_nodes(proto) == {op.split(".")[1]: count for op, count in program_ops.items()}
+    adapted = len(adapted_layers(model))
+    assert graphopt_nodes(proto)["lora_linear"] == (0 if merge_lora else adapted)
+    assert graphopt_nodes(proto)["rms_norm"] == rms_norm_modules(model)
+
+    # the nodes compute their schemas' definitions: run with graphopt's references as the domain's kernels
+    inputs = batch(2, 8)
+    logits = ReferenceEvaluator(proto, new_ops=_reference_ops()).run(
+        ["logits"], {name: t.numpy() for name, t in inputs.items()})[0]
+    assert relative_error(logits, eager_logits(model, inputs), inputs["attention_mask"]) <= 1e-4
+
+
+@pytest.mark.parametrize("format, hidden, extra", [("onnx", ["onnxscript"], "onnx")])
+def test_a_format_without_its_packages_names_the_extra(format, hidden, extra, tmp_path, monkeypatch):
+    for name in hidden:
+        monkeypatch.setitem(sys.modules, name, None)  # import → ImportError
+    monkeypatch.delitem(sys.modules, "graphopt.export_onnx", raising=False)
+    monkeypatch.delattr(graphopt, "export_onnx", raising=False)
+    with pytest.raises(ImportError, match=rf"pip install graphopt\[{extra}\]"):
+        graphopt.export(tiny_lora_model("llama"), batch(2, 8), tmp_path / "out", format=format)
+    assert not (tmp_path / "out").exists()
+
+
 # --- refusals: before any file is written --------------------------------------------------------------------
 
 @pytest.mark.parametrize("inputs, kwargs, message", [
@@ -125,6 +227,17 @@ def test_what_the_export_cannot_take_is_refused_first(inputs, kwargs, message, t
     example.update(inputs)
     with pytest.raises(ExportError, match=message):
         graphopt.export(tiny_lora_model("llama"), example, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+@needs_onnx
+def test_an_op_without_a_translation_is_refused_with_the_way_out(tmp_path, monkeypatch):
+    from graphopt import export_onnx
+
+    monkeypatch.delitem(export_onnx.TRANSLATIONS, torch.ops.graphopt.rope.default)
+    with pytest.raises(ExportError, match=r"graphopt\.rope\.default has no com\.graphopt translation: export with "
+                                          r"decompose=True"):
+        graphopt.export(tiny_lora_model("llama", num_hidden_layers=1), batch(2, 8), tmp_path / "out", format="onnx")
     assert not (tmp_path / "out").exists()
 
 
