@@ -29,6 +29,13 @@ def batch(size, length, padded=True):
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def packed(size, length):
+    """input_ids and position_ids of two documents a row (positions restarting at 0 halfway)."""
+    positions = torch.cat([torch.arange(length // 2), torch.arange(length - length // 2)])
+    return {"input_ids": torch.randint(1, COMMON["vocab_size"], (size, length), generator=GENERATOR),
+            "position_ids": positions.expand(size, length).contiguous()}
+
+
 def eager_logits(model, inputs):
     with torch.no_grad():
         return model.eval()(**inputs, use_cache=False).logits
@@ -95,18 +102,19 @@ def test_the_export_fuses_what_a_training_compile_fuses(tmp_path):
 
 def test_merged_and_decomposed_the_program_holds_standard_ops_only(tmp_path):
     """merge_lora: PEFT's merge on a copy (the model keeps its adapters); decompose: every graphopt op replaced by
-    its reference, so the program runs without graphopt."""
+    its reference, so the program runs without graphopt. A packed batch: documents apart, as HF keeps them."""
     model = tiny_lora_model("gemma")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    graphopt.export(model, batch(2, 16), tmp_path, merge_lora=True, decompose=True)
+    graphopt.export(model, packed(2, 16), tmp_path, merge_lora=True, decompose=True)
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
-    assert "lora" not in graphopt.last_report().summary()
+    summary = graphopt.last_report().summary()
+    assert "lora" not in summary and summary["attention_packed"] == COMMON["num_hidden_layers"]
     program = torch.export.load(tmp_path / "model.pt2")
     assert not [n for n in program.graph.nodes if "graphopt" in str(n.target)]
-    inputs = batch(3, 12)
+    inputs = packed(3, 12)
     with torch.no_grad():
         out = program.module()(**inputs)["logits"]
-    assert relative_error(out, eager_logits(model, inputs), inputs["attention_mask"]) <= 1e-5
+    assert relative_error(out, eager_logits(model, inputs), torch.ones(3, 12)) <= 1e-5
 
 
 # --- "onnx" -------------------------------------------------------------------------------------------------
@@ -198,7 +206,30 @@ def test_the_com_graphopt_onnx_names_each_op_once_per_use(merge_lora, tmp_path):
     assert relative_error(logits, eager_logits(model, inputs), inputs["attention_mask"]) <= 1e-4
 
 
-@pytest.mark.parametrize("format, hidden, extra", [("onnx", ["onnxscript"], "onnx")])
+# --- "mlir" -------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(bool(_missing("torch_mlir")), reason="torch-mlir is not installed (pip install graphopt[mlir])")
+@pytest.mark.parametrize("output", ["torch", "linalg-on-tensors", "stablehlo", "tosa"])
+def test_mlir_of_each_output_type(output, tmp_path):
+    model = tiny_lora_model("llama", num_hidden_layers=1)
+    graphopt.export(model, {"input_ids": batch(2, 8)["input_ids"]}, tmp_path, format="mlir", mlir_output=output)
+    text = (tmp_path / "model.mlir").read_text()
+    argument = {"torch": "!torch.vtensor<[?,?],si64>", "linalg-on-tensors": "tensor<?x?xi64>"}.get(
+        output, "tensor<2x8xi64>")  # StableHLO and TOSA at the example's sizes
+    assert f"func.func @forward(%arg0: {argument})" in text
+    if output == "torch":  # read back and verified by torch-mlir's own parser and verifier
+        from torch_mlir import ir
+        from torch_mlir.dialects import torch as torch_dialect
+
+        context = ir.Context()
+        torch_dialect.register_dialect(context)
+        module = ir.Module.parse(text, context)
+        assert module.operation.verify()
+        assert [op.operation.name for op in module.body.operations] == ["func.func"]
+
+
+@pytest.mark.parametrize("format, hidden, extra", [("onnx", ["onnxscript"], "onnx"),
+                                                   ("mlir", ["torch_mlir", "torch_mlir.fx"], "mlir")])
 def test_a_format_without_its_packages_names_the_extra(format, hidden, extra, tmp_path, monkeypatch):
     for name in hidden:
         monkeypatch.setitem(sys.modules, name, None)  # import → ImportError
