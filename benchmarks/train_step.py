@@ -462,15 +462,16 @@ def run(args):
     # lengths that vary, the timed steps' longest and shortest batches run too: a graph compiled for a range of
     # lengths (a guard such as "length ≤ 4096") is then compiled for every length the timed steps meet, once, as
     # a long run pays it once; timed_compiles says whether any compile was left.
-    # With --warmup-every-shape, one batch of each shape the timed steps meet: a graph recorded per size (CUDA
-    # graphs over length buckets) is then recorded before the timing, as a long run records each bucket once.
+    # With --warmup-every-shape, two batches of each shape the timed steps meet: CUDA graph trees run a size
+    # eagerly the first time they meet it and record it the second, so every bucket is recorded before the
+    # timing, as a long run records each bucket once.
     warmup_batches = batches[:args.warmup]
     if args.data != "fixed":
         timed = batches[args.warmup:]
         warmup_batches += [max(timed, key=lambda b: b["input_ids"].numel()),
                            min(timed, key=lambda b: b["input_ids"].numel())]
         if args.warmup_every_shape:
-            warmup_batches += list({tuple(b["input_ids"].shape): b for b in timed}.values())
+            warmup_batches += 2 * list({tuple(b["input_ids"].shape): b for b in timed}.values())
     first_loss = None
     warmup_peaks = []  # allocated, per warm-up step
     graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -683,8 +684,8 @@ def parse_args(argv):
                              "pad_to_multiple_of), so a graph recorded per size (cuda_graphs=True) is recorded once "
                              "per bucket")
     parser.add_argument("--warmup-every-shape", action="store_true",
-                        help="--data padded or packed: warm up on one batch of each shape the timed steps meet too "
-                             "(the steady state of a long run, where what is recorded per size has been recorded)")
+                        help="--data padded or packed: warm up on each shape the timed steps meet too, twice (the "
+                             "steady state of a long run, where what is recorded per size has been recorded)")
     parser.add_argument("--quant", choices=("none", "nf4"), default="none",
                         help="nf4: QLoRA, the decoder's projections as bitsandbytes NF4 (double quantization) "
                              "computing in --dtype; Unsloth loads with load_in_4bit=True")

@@ -44,8 +44,9 @@ from graphopt.report import publish, reports
 
 
 DYNAMIC_SHAPES = ("dynamic shapes: one graph serves every size of its symbolic dimensions, without CUDA graphs under "
-                  "cuda_graphs=\"auto\" (one would be recorded per size), and with masks not provably causal at a "
-                  "symbolic length kept as they are")
+                  "cuda_graphs=\"auto\" (one would be recorded per size: with batches padded to a multiple of a "
+                  "bucket size, e.g. pad_to_multiple_of=256, cuda_graphs=True records each bucket once), and with "
+                  "masks not provably causal at a symbolic length kept as they are")
 
 
 def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
