@@ -48,7 +48,7 @@ DESCRIPTION = "export.json"
 
 # The graphopt ops an inference program holds, each defined by its reference (fp32 math): what decompose=True
 # and the MLIR export replace them with. The others compute training steps (below) or dequantize a bitsandbytes
-# base with bitsandbytes' own ops (lora_linear_4bit, which only the "torch" format keeps).
+# base (lora_linear_4bit: a quantized base is refused, _check).
 INFERENCE_OPS = ("rms_norm", "gated_activation", "rope", "lora_linear", "padded_attention", "packed_attention")
 REFERENCES = {getattr(torch.ops.graphopt, name).default: getattr(reference, name) for name in INFERENCE_OPS}
 TRAINING_OPS = {
@@ -73,7 +73,7 @@ def export(model: torch.nn.Module, example_inputs: dict, out_dir, format: str = 
     domain, or standard ONNX ops with decompose=True) or "mlir" (torch-mlir, of output type mlir_output).
     merge_lora: PEFT's merge_and_unload on a copy of the model first; else LoRA stays graphopt's op. options:
     graphopt's `fusions` (and `target`, `report`). The model is left as it was (its mode, its adapters)."""
-    options = _check(example_inputs, format, mlir_output, options or {})
+    options = _check(model, example_inputs, format, mlir_output, options or {})
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not (out / DESCRIPTION).exists():
         raise FileExistsError(f"{out} holds files and no export: name an empty or new directory")
@@ -243,7 +243,7 @@ def _inference(model, merge_lora):
 
 # --- what the export cannot take -----------------------------------------------------------------------------
 
-def _check(example_inputs, format, mlir_output, raw_options) -> Options:
+def _check(model, example_inputs, format, mlir_output, raw_options) -> Options:
     """The options parsed; ExportError (or ImportError for a missing package) for what cannot be exported."""
     if format not in FILES:
         raise ExportError(f"format={format!r} is not one of {', '.join(map(repr, FILES))}")
@@ -264,6 +264,11 @@ def _check(example_inputs, format, mlir_output, raw_options) -> Options:
     if example_inputs.get("use_cache"):
         raise ExportError("use_cache=True: the KV cache is generation state the program does not return; leave "
                           "use_cache out (the export sets it False)")
+    quantized = _quantized_layer(model)
+    if quantized:
+        raise ExportError(f"{quantized[0]} is a bitsandbytes {quantized[1]}: a quantized base (QLoRA) is not exported "
+                          f"(its bitsandbytes ops have no torch.export, ONNX or MLIR form here); load the base "
+                          f"unquantized (bf16/fp16) with the same adapters to export it, merge_lora=True merging them")
     for name, t in example_inputs.items():
         if isinstance(t, torch.Tensor) and any(size < 2 for size in t.shape[:2]):
             raise ExportError(f"example input {name} has shape {tuple(t.shape)}: its batch and sequence sizes must "
@@ -284,14 +289,17 @@ def _check_ops(gm, format, decompose):
             raise ExportError(f"the fused graph holds {op} ({TRAINING_OPS[op]}), a training-only output: export the "
                               f"model as it runs for inference (without labels or a trainer's patched head), or "
                               f"leave the fusion out (options={{\"fusions\": {{...: False}}}})")
-        if op not in REFERENCES and format != "torch":
-            raise ExportError(f"{op} has no {format.upper()} form (its reference runs bitsandbytes' ops): export "
-                              f"format=\"torch\", or a model whose base is not quantized")
-        if op not in REFERENCES and decompose:
-            raise ExportError(f"{op} has no decomposition into standard ops (its reference runs bitsandbytes' "
-                              f"ops): export with decompose=False")
+        if op not in REFERENCES:
+            raise ExportError(f"{op} has no export form: leave its fusion out (options={{\"fusions\": {{...: "
+                              f"False}}}})")
         if format == "onnx" and not decompose:
             _export_onnx().check(node)
+
+
+def _quantized_layer(model):
+    """(module path, class) of the first bitsandbytes layer of model, or None."""
+    return next(((name, type(m).__name__) for name, m in model.named_modules()
+                 if type(m).__module__.startswith("bitsandbytes")), None)
 
 
 def _graphopt_calls(graph) -> list:

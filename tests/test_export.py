@@ -5,9 +5,7 @@ through torch-mlir; what an export cannot take is refused before any file is wri
 import collections
 import importlib.util
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +14,6 @@ import graphopt
 from graphopt.export import ExportError
 from models import ARCHITECTURES, COMMON, adapted_layers, rms_norm_modules, tiny_lora_model
 
-TESTS = Path(__file__).parent
 GENERATOR = torch.Generator().manual_seed(0)
 
 
@@ -272,6 +269,18 @@ def test_an_op_without_a_translation_is_refused_with_the_way_out(tmp_path, monke
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(bool(_missing("bitsandbytes")), reason="bitsandbytes is not installed")
+def test_a_quantized_base_is_refused(tmp_path):
+    import bitsandbytes
+
+    model = tiny_lora_model("llama")
+    model.base_model.model.model.layers[1].mlp.down_proj = bitsandbytes.nn.Linear4bit(128, 64)
+    with pytest.raises(ExportError, match=r"model\.model\.layers\.1\.mlp\.down_proj is a bitsandbytes Linear4bit: a "
+                                          r"quantized base \(QLoRA\) is not exported.*load the base unquantized"):
+        graphopt.export(model, batch(2, 8), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_directory_of_other_files_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="holds files and no export"):
@@ -289,12 +298,12 @@ def test_load_reads_torch_exports_only(tmp_path):
 
 # --- the command line ---------------------------------------------------------------------------------------
 
-def test_the_command_line_exports(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "graphopt", "optimize", "models:tiny_llama", "--out",
-                           str(tmp_path / "out"), "--batch", "2", "--seq", "8", "--dtype", "fp32", "--device", "cpu",
-                           "--export", "torch", "--merge-lora"], capture_output=True, text=True, timeout=300,
-                          cwd=TESTS)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "torch export written to" in done.stdout and "graphopt.load(" in done.stdout
+def test_the_command_line_exports(tmp_path, capsys):
+    from graphopt.plan_dir import main
+
+    main(["models:tiny_llama", "--out", str(tmp_path / "out"), "--batch", "2", "--seq", "8", "--dtype", "fp32",
+          "--device", "cpu", "--export", "torch", "--merge-lora"])
+    printed = capsys.readouterr().out
+    assert "torch export written to" in printed and "graphopt.load(" in printed
     described = json.loads((tmp_path / "out" / "export.json").read_text())
     assert described["merge_lora"] and described["inputs"]["input_ids"].startswith("int64[2, 8]")
