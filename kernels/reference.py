@@ -104,7 +104,8 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mas
     base = torch.nn.functional.linear(x, weight, bias)
     x_adapter = _dropped(x.to(lora_a.dtype), dropout_mask, dropout_p)
     lora = torch.nn.functional.linear(torch.nn.functional.linear(x_adapter, lora_a), lora_b) * scaling
-    return (base + lora).to(out_dtype)
+    # the add in out_dtype where it is the wider: PEFT's 4-bit layer under autocast adds a base it cast back up
+    return (base.to(torch.promote_types(base.dtype, out_dtype)) + lora).to(out_dtype)
 
 
 def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):

@@ -697,7 +697,10 @@ def _copy_out_of_graph_pool_fake(xs):
 # fp32 base under bf16 autocast would meet a bf16 input and an fp32 weight. Eager runs PEFT's linears (base and
 # adapters: x.to(adapter dtype) is cast back down by autocast's linear) and HF's lm_head in the autocast dtype, so
 # these ops take those inputs cast to it, as autocast's own linear would, and the gradients flow back through the
-# casts to the fp32 parameters as eager's do. padded_attention and packed_attention stand for an SDPA call, which
+# casts to the fp32 parameters as eager's do. lora_linear_4bit: bitsandbytes computes the base in its compute dtype
+# whatever autocast says (the pass fuses only where that is the autocast dtype), the adapters run in the autocast
+# dtype; x, the bias and the adapters are cast, and the base is added in x's own dtype, as PEFT adds it.
+# padded_attention and packed_attention stand for an SDPA call, which
 # autocast runs in its dtype: q, k and v are cast too. The other ops need no rule: RMSNorm upcasts to fp32 itself,
 # and the gated activation and RoPE contain no op that autocast changes (a rotation that eager promotes to fp32 is
 # cast up by passes/fuse_rope.py). The dtype is read at each call, so bf16 and fp16 autocast both hold, on every
@@ -706,6 +709,7 @@ def _copy_out_of_graph_pool_fake(xs):
 # accumulate in fp32 and return in the inputs' own dtypes, as TRL's do, instead of rounding through a cast.
 AUTOCAST_CASTS = {  # op → the positions of the inputs autocast casts
     "lora_linear": (0, 1, 2, 3, 4),  # x, weight, bias, lora_a, lora_b
+    "lora_linear_4bit": (0, 6, 10, 11),  # x, bias, lora_a, lora_b: the base dequantizes in x's dtype
     "linear_cross_entropy": (0, 1, 2),  # hidden, weight, bias
     "padded_attention": (0, 1, 2),  # q, k, v: autocast runs SDPA in its dtype
     "packed_attention": (0, 1, 2),

@@ -18,8 +18,11 @@ subgraph of its own; PEFT's bnb layer then clones the result:
   base = out[.to(x's dtype)][.clone()]
 where fwd is bitsandbytes::gemm_4bit(xc, B, shape, absmax, blocksize, quant_type, bias=, absmax_8bit=, …) and
 nothing else: the op takes gemm_4bit's arguments; where no input needs a gradient Dynamo inlines the Function and
-gemm_4bit sits in the graph itself. A base computing in another dtype than its input, a forward of another form
-(another bitsandbytes version), a 4-bit base under torch.autocast (the op has no autocast rule yet) and LLM.int8
+gemm_4bit sits in the graph itself. Under torch.autocast (HF's bf16=True) bitsandbytes still computes the base in
+its compute dtype while the adapters run in the autocast dtype, and PEFT adds the base, cast back to x's dtype,
+to their output: the op's autocast rule casts x, the bias and the adapters (lowering/ops.py), so the fusion holds
+where the compute dtype is the autocast dtype. A base computing in another dtype than its input (without
+autocast) or than the autocast dtype, a forward of another form (another bitsandbytes version) and LLM.int8
 (`Linear8bitLt`) stay unfused with a miss that says which.
 
 DoRA (use_dora=True) is never fused; it gets one miss per DoRA adapter the graph shows, never two. Dynamo hands
@@ -100,7 +103,7 @@ def _dora_miss(lora_b: Node, in_model: bool):
     return record
 
 
-def _match(lora_b: Node, under_autocast: bool):
+def _match(lora_b: Node, autocast):
     a_out, b_weight, b_bias = _linear_args(lora_b)
     if b_bias is not None:
         raise Miss("lora_B has a bias (lora_bias=True)")
@@ -133,7 +136,7 @@ def _match(lora_b: Node, under_autocast: bool):
     if not is_call(base, *_LINEAR) and "Linear8bitLt" in module_classes(lora_b):  # PEFT's layer for an 8-bit base
         raise Miss("an 8-bit base (bitsandbytes' LLM.int8, load_in_8bit) is not fused: graphopt's op takes 4-bit "
                    "bases (load_in_4bit)")
-    quantized = _quantized_base(base, x, under_autocast)
+    quantized = _quantized_base(base, x, autocast)
     if quantized is not None:
         base_args, base_nodes = quantized
     elif is_call(base, *_LINEAR):
@@ -161,10 +164,11 @@ def _match(lora_b: Node, under_autocast: bool):
     return (x, *base_args, a_weight, b_weight, scaling), dropout_p, end, nodes, quantized is not None
 
 
-def _quantized_base(base: Node, x: Node, under_autocast: bool):
+def _quantized_base(base: Node, x: Node, autocast):
     """(lora_linear_4bit's base arguments: packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit,
     absmax_code, absmax_offset; the nodes that compute the base) when base is bitsandbytes' 4-bit matmul of x
-    (see the module's docstring), None when it is not that call at all; Miss when it is, in a form not fused."""
+    (see the module's docstring), None when it is not that call at all; Miss when it is, in a form not fused.
+    autocast: the dtype of the autocast region the layer runs in, or None."""
     nodes, node = [], base
     if node.op == "call_method" and node.target == "clone" and len(node.args) == 1 and not node.kwargs:
         nodes, node = nodes + [node], node.args[0]
@@ -185,9 +189,6 @@ def _quantized_base(base: Node, x: Node, under_autocast: bool):
                        f"(its forward calls {', '.join(_op_name(n.target) for n in calls) or 'nothing'})")
         outer = dict(zip(forward.graph.find_nodes(op="placeholder"), apply.args[2:]))  # its inputs → this graph's
 
-    if under_autocast:  # the op has no autocast rule yet: eager runs the adapters in the autocast dtype, the base not
-        raise Miss("a 4-bit base under torch.autocast is not fused yet")
-
     def ours(arg):
         return outer.get(arg, arg) if isinstance(arg, Node) else arg
 
@@ -201,7 +202,11 @@ def _quantized_base(base: Node, x: Node, under_autocast: bool):
     computed = ours(args["A"])
     if computed is not x and not (is_cast(computed) and computed.args[0] is x):
         raise Miss("the 4-bit base and the adapters do not read the same input")
-    if value(computed).dtype != value(x).dtype:
+    if autocast is not None and value(computed).dtype != autocast:
+        raise Miss(f"the 4-bit base computes in {value(computed).dtype} under torch.autocast to {autocast} "
+                   f"(bnb_4bit_compute_dtype differs from the autocast dtype): not fused, so as not to change the "
+                   f"base's rounding")
+    if autocast is None and value(computed).dtype != value(x).dtype:
         raise Miss(f"the 4-bit base computes in {value(computed).dtype}, its input is {value(x).dtype} "
                    f"(bnb_4bit_compute_dtype differs from the model's dtype): not fused, so as not to change the "
                    f"base's rounding")
@@ -260,8 +265,8 @@ def fuse_lora(gm: GraphModule, report) -> int:
         if not in_model:
             continue  # a frame's own lora_B outside DoRA: not a candidate (as before)
         try:
-            under_autocast = autocast_dtype(regions[lora_b], value(lora_b).device.type) is not None
-            args, dropout_p, end, nodes, quantized = _match(lora_b, under_autocast)
+            autocast = autocast_dtype(regions[lora_b], value(lora_b).device.type)
+            args, dropout_p, end, nodes, quantized = _match(lora_b, autocast)
         except Miss as miss:
             report.misses.append(record_for(lora_b, PATTERN, str(miss)))
             continue
