@@ -9,7 +9,8 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"demo": "LoRA fine-tune of a tiny model through backend='graphopt', then the fusion report",
                 "doctor": "this machine's device, versions, and a self-test of every graphopt op on it",
-                "optimize": "compile a model's training step once and save the plan and compiled files for reuse",
+                "optimize": ("compile a model's training step once and save the plan and compiled files for reuse; "
+                             "--export torch|onnx|mlir writes an inference program instead"),
                 "explain": "what graphopt would do to a model (fusions, misses, memory plan), without weights or a GPU",
                 "report": "render a saved report (.json) again, as text or HTML"}
     if not argv or argv[0] not in commands:

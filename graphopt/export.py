@@ -29,9 +29,8 @@ from graphopt.devices import resolve_target
 from graphopt.kernels import reference
 from graphopt.lowering import ops  # noqa: F401  (defines torch.ops.graphopt.*)
 from graphopt.options import Options, parse_options
-from graphopt.passes.checkpoint import inline_checkpoints
+from graphopt.pipeline import normalize_and_fuse
 from graphopt.passes.describe import graph_inputs
-from graphopt.passes.normalize import normalize
 from graphopt.passes.registry import FUSIONS
 from graphopt.plan import Plan
 from graphopt.report import publish, reports
@@ -161,12 +160,8 @@ def capture(model: torch.nn.Module, example_inputs: dict, options: Options, dyna
     plan = Plan(graph=len(reports()), options=options.to_json(), nodes_captured=len(gm.graph.nodes),
                 target=resolve_target(options.target, list(inputs.values())))
     plan.inputs, plan.parameters = graph_inputs(gm, list(inputs.values()))
-    with _sizes_as_inputs(gm):  # 2. normalize and fuse, as graphopt/pipeline.py does
-        inline_checkpoints(gm)
-        normalize(gm)
-        for name, fuse in FUSIONS.items():
-            if name in options.fusions:
-                fuse(gm, plan)
+    with _sizes_as_inputs(gm):  # 2–3. the pipeline's own normalize and fuse
+        normalize_and_fuse(gm, options, plan)
     outputs = gm._out_spec  # the outputs' structure, from the model's
     return _named_after(model, gm), plan, list(outputs.context) if outputs.type is dict else None
 
@@ -349,13 +344,13 @@ def _note(format, dynamic, decomposed, merge_lora, model) -> str:
 
 def _description(model, example_inputs, outputs, format, dynamic, decompose, merge_lora, mlir_output,
                  program) -> dict:
-    from graphopt.plan_dir import _tensor_text, _versions, model_fingerprint
+    from graphopt.plan_dir import model_fingerprint, tensor_text, versions
 
     ops = {}
     for node in _graphopt_calls(program.graph):
         ops[str(node.target)] = ops.get(str(node.target), 0) + 1
     return {"schema": SCHEMA, "format": format, "file": FILES[format], "decompose": decompose,
             "merge_lora": merge_lora, "mlir_output": mlir_output if format == "mlir" else None,
-            "inputs": {name: _tensor_text(v) for name, v in example_inputs.items()},
+            "inputs": {name: tensor_text(v) for name, v in example_inputs.items()},
             "dynamic": {"batch": "dimension 0 of every tensor input", "seq": "dimension 1"} if dynamic else None,
-            "outputs": outputs, "graphopt_ops": ops, "versions": _versions(), "model": model_fingerprint(model)}
+            "outputs": outputs, "graphopt_ops": ops, "versions": versions(), "model": model_fingerprint(model)}

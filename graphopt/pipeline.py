@@ -60,16 +60,8 @@ def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
     if options.plan:  # a plan directory's decisions for this graph take the place of the options' (and searches)
         options, saved = plan_dir.apply(options, plan)
 
-    # 2. normalize: checkpointed regions inlined (their plan becomes the memory plan), one spelling per op
-    checkpointed = inline_checkpoints(gm)
-    if checkpointed:
-        options = checkpointing_as_plan(options, checkpointed, plan)
-    normalize(gm)
-
-    # 3. fuse
-    for name, fuse in FUSIONS.items():
-        if name in options.fusions:
-            fuse(gm, plan)
+    # 2–3. normalize and fuse
+    options = normalize_and_fuse(gm, options, plan)
     dropped = [] if options.keep_logits else drop_logits(gm, plan)
     if not options.cache_grad:
         detach_cache(gm, plan)
@@ -101,6 +93,19 @@ def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
     publish(plan, options.report)
     # 8. hand back
     return hand_back(compiled, dropped)
+
+
+def normalize_and_fuse(gm, options: Options, plan: Plan) -> Options:
+    """Stages 2 and 3 on gm, in place: checkpointed regions inlined (their plan becomes the memory plan: the options
+    returned carry it), one spelling per op, then each fusion the options enable, in passes/registry.py order."""
+    checkpointed = inline_checkpoints(gm)
+    if checkpointed:
+        options = checkpointing_as_plan(options, checkpointed, plan)
+    normalize(gm)
+    for name, fuse in FUSIONS.items():
+        if name in options.fusions:
+            fuse(gm, plan)
+    return options
 
 
 def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain, saved):

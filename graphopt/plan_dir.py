@@ -90,10 +90,10 @@ def optimize(model: torch.nn.Module, example_inputs: dict, out_dir, options: dic
     device = detect()
     saved = {
         "schema": SCHEMA,
-        "versions": _versions(),
+        "versions": versions(),
         "device": {"target": plans[0].target if plans else device.target, "name": device.name, "arch": device.arch},
         "model": model_fingerprint(model),
-        "inputs": {name: _tensor_text(value) for name, value in example_inputs.items()},
+        "inputs": {name: tensor_text(value) for name, value in example_inputs.items()},
         "options": options,
         "graphs": [plan.to_json() for plan in plans],
     }
@@ -246,7 +246,7 @@ def load(path: Path, manifest: str) -> PlanDir:
     saved = json.loads((path / "plan.json").read_text())
     if saved.get("schema") != SCHEMA:
         raise OptionError(f"plan={str(path)!r} is not a {SCHEMA} plan directory; {HOW_TO_FIX}")
-    made, here = saved["versions"], _versions()
+    made, here = saved["versions"], versions()
     for key, what in (("graphopt", "graphopt"), ("graphopt_code", "graphopt's code"), ("torch", "torch")):
         if made.get(key) != here[key]:
             raise OptionError(f"plan={str(path)!r} was made with {what} {made.get(key)}, and this is {here[key]}; "
@@ -289,7 +289,7 @@ def _in_triton(member) -> bool:
     return member.name == "./triton" or member.name.startswith("./triton/")
 
 
-def _versions() -> dict:
+def versions() -> dict:
     return {"graphopt": graphopt.__version__, "graphopt_code": code_fingerprint()[:16], "torch": torch.__version__}
 
 
@@ -297,7 +297,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
 
 
-def _tensor_text(value) -> str:
+def tensor_text(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{str(value.dtype).replace('torch.', '')}[{', '.join(map(str, value.shape))}] on {value.device}"
     return repr(value)

@@ -78,7 +78,7 @@ def test_a_bad_packed_weight_is_refused():
         OP(torch.randn(2, 40), args[0][:-1], *args[1:], torch.randn(4, 40), torch.randn(24, 4), 1.0, torch.float32)
 
 
-def qlora_model(arch, quant_type="nf4", nested=True, compute_dtype=torch.float32, dtype=torch.float32):
+def qlora_model(arch, quant_type="nf4", nested=True, compute_dtype=torch.float32, dtype=torch.float32, device="cpu"):
     """A tiny HF model saved, loaded back in dtype with a bitsandbytes 4-bit base, and given LoRA on every linear
     (its adapters in fp32, PEFT's default)."""
     config_cls, model_cls, extra = ARCHITECTURES[arch]
@@ -89,7 +89,7 @@ def qlora_model(arch, quant_type="nf4", nested=True, compute_dtype=torch.float32
                                                        bnb_4bit_use_double_quant=nested,
                                                        bnb_4bit_compute_dtype=compute_dtype)
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization,
-                                                                  device_map="cpu", dtype=dtype)
+                                                                  device_map=device, dtype=dtype)
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
     return peft.get_peft_model(model, lora).train()
 
@@ -220,23 +220,18 @@ def test_cuda_op_matches_fp64(quant_type, nested):
 
 
 @CUDA
-def test_cuda_bf16_qlora_model_fuses_and_trains_as_eager(fresh_dynamo):
-    config_cls, model_cls, extra = ARCHITECTURES["llama"]
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as directory:
-        model_cls(config_cls(**COMMON, **extra)).save_pretrained(directory)
-        quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                       bnb_4bit_use_double_quant=True,
-                                                       bnb_4bit_compute_dtype=torch.bfloat16)
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, quantization_config=quantization,
-                                                                  device_map="cuda", dtype=torch.bfloat16)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+@pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.float32, True)])
+def test_cuda_qlora_model_fuses_and_trains_as_eager(dtype, autocast, fresh_dynamo):
+    """A bf16 QLoRA model, and HF's bf16=True (autocast) on one whose other weights stay fp32."""
+    model = qlora_model("llama", compute_dtype=torch.bfloat16, dtype=dtype, device="cuda")
     ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
-    eager_loss, eager_grads = loss_and_grads(model.train(), ids)
-    loss, grads = loss_and_grads(model, ids, torch.compile(model, backend="graphopt"))
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        eager_loss, eager_grads = loss_and_grads(model, ids)
+        loss, grads = loss_and_grads(model, ids, torch.compile(model, backend="graphopt"))
     report = graphopt.last_report()
     assert report.summary().get("lora_4bit") == 7 * COMMON["num_hidden_layers"]
     ran = {r.op: r.implementation for r in report.lowering}
     assert "kernels/lora.py" in ran["graphopt.lora_linear_4bit.default"]  # the dense LoRA kernels after dequantizing
     assert torch.allclose(loss, eager_loss, atol=1e-2, rtol=5e-2)
     assert all(relative_error(grads[n], eager_grads[n]) <= 5e-2 for n in eager_grads)
+    assert all(grads[n].dtype == eager_grads[n].dtype for n in eager_grads)
