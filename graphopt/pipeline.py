@@ -37,7 +37,7 @@ from graphopt.passes.describe import graph_inputs
 from graphopt.passes.detach_cache import detach_cache
 from graphopt.passes.drop_logits import drop_logits
 from graphopt.passes.normalize import normalize
-from graphopt.passes.recompute import Partitioner
+from graphopt.passes.recompute import Partitioner, weights_bytes
 from graphopt.passes.registry import FUSIONS
 from graphopt.plan import Plan
 from graphopt.report import publish, reports
@@ -114,12 +114,10 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
     graphs = bool(plan.cuda_graphs and plan.cuda_graphs["on"])
     leaf_inputs = (tuple(isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad for x in example_inputs)
                    if graphs else None)
-    # memory_budget="auto" without max_memory_gib sizes the plan to the weights the graph reads
-    weights_bytes = sum(x.nbytes for x in example_inputs if isinstance(x, torch.nn.Parameter))
     # 5. partition: a stage of its own, called by aot_autograd once it has the joint graph; it adds the memory
     # plan to the plan
     partitioner = Partitioner(options.memory_budget, options.offload, options.max_memory_gib,
-                              lowering.offload_copies, plan, leaf_inputs, weights_bytes,
+                              lowering.offload_copies, plan, leaf_inputs, weights_bytes(example_inputs),
                               requested=plan_dir.requested_partition(saved))
     if lowering.inductor and not explain:
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.

@@ -101,7 +101,8 @@ def _memory_lines(plan) -> list:
             limit = "the graph reads no parameters to size the plan to: the fastest plan"
         elif auto["max_memory_gib"] is None:
             limit = (f"estimates must fit {auto['weights_multiple']:g} × the {_bytes_text(auto['weights_bytes'])} "
-                     f"of parameters the graph reads, {_bytes_text(auto['limit_bytes'])}")
+                     f"of parameters the graph reads (4-bit weights at their dequantized size), "
+                     f"{_bytes_text(auto['limit_bytes'])}")
         else:
             limit = (f"max_memory_gib {auto['max_memory_gib']:g}: estimates must fit "
                      f"{auto['max_memory_gib'] - auto['reserve_gib']:g} GiB, {auto['reserve_gib']:g} GiB kept for "

@@ -58,6 +58,19 @@ WEIGHTS_MULTIPLE = 2.75
 AUTO_STEPS = 4  # bisection steps of memory_budget="auto" between 0 and 1: a budget within 1/16 of the best
 
 
+def weights_bytes(example_inputs) -> int:
+    """The bytes of the parameters among a graph's inputs that "auto" sizes the plan to, a bitsandbytes 4-bit
+    weight (Params4bit, its quant_state the dense shape and dtype) counted at its dequantized size: the activations
+    weighed against the weights scale with the layers' sizes, not with how the weights are stored, and at a quarter
+    of the bytes "auto" would pick a far leaner, slower plan for a QLoRA model than for the same model in bf16."""
+    total = 0
+    for x in example_inputs:
+        if isinstance(x, torch.nn.Parameter):
+            dense = getattr(x, "quant_state", None)
+            total += math.prod(dense.shape) * dense.dtype.itemsize if dense is not None else x.nbytes
+    return total
+
+
 class Partitioner(CustomPartitionerFn):
     """aot_autograd's partition function for one compile (Inductor's custom_partitioner_fn, or aot_autograd's
     partition_fn without Inductor): torch's min-cut partitioner under the chosen budget, then the offload plan.

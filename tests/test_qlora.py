@@ -118,6 +118,10 @@ def test_qlora_models_fuse_every_4bit_layer_and_train_as_eager(arch, quant_type,
     torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2).step()
     assert all(torch.equal(p, packed[n]) for n, p in model.named_parameters() if p.dtype == torch.uint8)
     assert any("lora_linear_4bit" in r.op for r in report.lowering)
+    # memory_budget="auto" sizes the plan to the weights at their dequantized size (fp32 here), as unquantized
+    dense = sum(m.in_features * m.out_features * 4 for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+    rest = sum(p.nbytes for p in model.parameters() if p.dtype != torch.uint8)
+    assert report.saved_for_backward["auto"]["weights_bytes"] == dense + rest
 
 
 def test_a_base_computing_in_another_dtype_stays_unfused(fresh_dynamo):
