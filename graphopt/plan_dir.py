@@ -272,6 +272,19 @@ def _unpack(archive: Path) -> None:
             if triton_dir and _in_triton(member) and member.name.count("/") > 1:
                 member.name = member.name.split("/", 2)[2]
                 tar.extract(member, triton_dir, filter="data")
+                if member.isfile() and Path(member.name).name.startswith("__grp__"):
+                    _relocate_group(Path(triton_dir) / member.name)
+
+
+def _relocate_group(path: Path) -> None:
+    """Triton's group file names its kernel's files by absolute path, in the folder graphopt.optimize compiled into
+    (deleted since): a lookup finds the group, misses those paths and compiles the kernel again. The files sit
+    beside the group file now; it is pointed at them there."""
+    group = json.loads(path.read_text())
+    if isinstance(group.get("child_paths"), dict):
+        group["child_paths"] = {name: str(path.parent / Path(child).name)
+                                for name, child in group["child_paths"].items()}
+        path.write_text(json.dumps(group))
 
 
 def _triton_cache_dir():

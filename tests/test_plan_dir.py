@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,24 @@ def test_a_plan_directory_written_again_is_read_again(tmp_path):
             graphopt.optimize(model, {"input_ids": IDS, "labels": IDS}, tmp_path, {"memory_budget": budget})
             train(model, {"plan": str(tmp_path)}, steps=1)
         assert graphopt.last_report().saved_for_backward["memory_budget"] == budget
+
+
+def test_triton_kernels_are_found_where_the_plan_unpacks_them(tmp_path, monkeypatch):
+    """Triton's cache lists a kernel's files by absolute path in a group file; a plan directory's kernels, compiled
+    in a folder since deleted, are found in this process's Triton cache once unpacked (else each compiles again)."""
+    triton_cache = pytest.importorskip("triton.runtime.cache")
+    from graphopt import plan_dir
+
+    made, here, key = tmp_path / "made", tmp_path / "here", "ABC"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(made / "triton"))
+    saved = triton_cache.FileCacheManager(key)
+    files = {name: saved.put(b"kernel", name) for name in ("k.json", "k.cubin")}
+    saved.put_group("k.json", files)
+    with tarfile.open(tmp_path / "compiled.tar", "w") as archive:
+        archive.add(made, arcname=".")
+    shutil.rmtree(made)
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(here))
+    plan_dir._unpack(tmp_path / "compiled.tar")
+    found = triton_cache.FileCacheManager(key).get_group("k.json")
+    assert found == {name: str(here / key / name) for name in files}
