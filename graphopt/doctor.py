@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from graphopt import distributed
 from graphopt.devices import Device, detect
 from graphopt.kernels import reference
 from graphopt.lowering import registry
@@ -180,6 +181,7 @@ def run(stream=sys.stdout) -> int:
     dtype = torch.bfloat16 if device.bf16 and device.target != "cpu" else torch.float32
     print(f"graphopt doctor\n\ndevice: {device.describe()}", file=stream)
     print("versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in versions().items()), file=stream)
+    print(f"distributed: {distributed.describe(distributed.setup())}", file=stream)
     if lowering.note:
         print(f"lowering note: {lowering.note}", file=stream)
     rows = self_test(device, dtype, lowering)

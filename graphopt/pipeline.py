@@ -27,7 +27,7 @@ from torch._dynamo.exc import RestartAnalysis
 from torch._inductor.compile_fx import compile_fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from graphopt import plan_dir
+from graphopt import distributed, plan_dir
 from graphopt.devices import resolve_target
 from graphopt.logits import hand_back
 from graphopt.lowering import registry as lowering_registry
@@ -56,6 +56,9 @@ def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
     plan = Plan(graph=len(reports()), options=options.to_json(), nodes_captured=len(gm.graph.nodes))
     plan.target = options.target if explain else resolve_target(options.target, example_inputs)
     plan.inputs, plan.parameters = graph_inputs(gm, example_inputs)
+    plan.distributed = distributed.setup()
+    if plan.distributed and plan.distributed["split"]:
+        plan.notes.append(f"DDP's optimizer split the step at its gradient buckets; {distributed.SPLIT_ADVICE}")
     saved = None
     if options.plan:  # a plan directory's decisions for this graph take the place of the options' (and searches)
         options, saved = plan_dir.apply(options, plan)

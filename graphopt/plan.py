@@ -58,6 +58,8 @@ class Plan:
     saved_for_backward: Optional[dict] = None
     # {"on": bool, "why": str} where Inductor compiles the graph (graphopt/options.py cuda_graphs_decision)
     cuda_graphs: Optional[dict] = None
+    # the torch.distributed set-up it compiled in, None in one process (graphopt/distributed.py setup)
+    distributed: Optional[dict] = None
 
     def to_json(self) -> dict:
         return {
@@ -74,6 +76,7 @@ class Plan:
             "notes": list(self.notes),
             "saved_for_backward": self.saved_for_backward,
             "cuda_graphs": self.cuda_graphs,
+            "distributed": self.distributed,
         }
 
     @classmethod

@@ -11,6 +11,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from graphopt import distributed
+
 CUDA_GRAPHS_ON = ("; the trainable parameters' gradients and the loss are copied out of the graphs' memory "
                   "pool, other outputs are overwritten by the next step: clone what you keep longer")
 
@@ -30,6 +32,8 @@ def text(plan) -> str:
                      + (f", offloaded {_bytes_text(offload['bytes'])}" if offload else ""))
     if plan.cuda_graphs:
         lines.append(f"  CUDA graphs: {'on' if plan.cuda_graphs['on'] else 'off'}")
+    if plan.distributed:
+        lines.append(f"  distributed: {distributed.describe(plan.distributed)}")
     lines.append("per layer: fused / missed")
     for layer, (fused, missed) in _by_layer(plan).items():
         lines.append(f"  {layer:<48} {_counts(fused)}" + (f" / missed {_counts(missed)}" if missed else ""))

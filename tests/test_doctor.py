@@ -40,6 +40,13 @@ def test_doctor_tests_every_op_on_this_machine():
     assert f"device: {devices.detect().describe()}" in text
     for package in ("torch", "transformers", "peft"):
         assert f"{package} {importlib.metadata.version(package)}" in text
+    assert "distributed: one process (no torch.distributed process group)" in text
+
+
+def test_doctor_names_the_launchers_ranks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert "distributed: rank 1 of 2 by the launcher's environment" in doctor_output()[1]
 
 
 def test_wrong_numbers_make_an_op_unavailable(monkeypatch):
