@@ -1,8 +1,9 @@
-"""DDP with graphopt (graphopt/distributed.py): two processes on the gloo backend, each training its half of a
-batch, end with the loss and LoRA gradients of one process training the whole batch; the report says what the
-distributed set-up is. With Dynamo's DDP optimizer (torch._dynamo.config.optimize_ddp, its default) the step
+"""DDP and FSDP2 with graphopt (graphopt/distributed.py): two processes on the gloo backend, each training its half
+of a batch, end with the loss and LoRA gradients of one process training the whole batch; the report says what
+the distributed set-up is. With Dynamo's DDP optimizer (torch._dynamo.config.optimize_ddp, its default) the step
 arrives as one graph per gradient bucket and the report says fusions across the splits are lost and how to keep
-one graph; with it off, each rank finds the fusions one process finds."""
+one graph; with it off each rank finds the fusions one process finds, and so does FSDP2 (fully_shard per decoder
+layer), over one graph per sharded module."""
 
 import os
 import tempfile
@@ -12,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import graphopt
@@ -42,25 +45,31 @@ def train(forward, model, ids):
     return torch.stack(losses), grads
 
 
-def worker(rank, init, optimize_ddp, out):
+def worker(rank, init, engine, out):
     torch.set_num_threads(1)
-    torch._dynamo.config.optimize_ddp = optimize_ddp
+    torch._dynamo.config.optimize_ddp = engine == "ddp_optimizer"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         model = tiny_lora_model("llama", **WIDE)
-        forward = torch.compile(DistributedDataParallel(model, bucket_cap_mb=1), backend="graphopt")
-        losses, grads = train(forward, model, IDS[rank * 2:(rank + 1) * 2])
+        if engine == "fsdp2":
+            for layer in model.get_base_model().model.layers:
+                fully_shard(layer)
+            wrapped = fully_shard(model)
+        else:
+            wrapped = DistributedDataParallel(model, bucket_cap_mb=1)
+        losses, grads = train(torch.compile(wrapped, backend="graphopt"), model, IDS[rank * 2:(rank + 1) * 2])
+        grads = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}  # FSDP2's shards
         torch.save({"losses": losses, "grads": grads, "plans": [p.to_json() for p in graphopt.reports()],
                     "text": graphopt.last_report().to_text()}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(optimize_ddp):
+def run_ranks(engine):
     """What each rank saved: its losses, gradients, plans and last report's text."""
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "rank")
-        context = mp.start_processes(worker, args=(f"file://{os.path.join(folder, 'init')}", optimize_ddp, out),
+        context = mp.start_processes(worker, args=(f"file://{os.path.join(folder, 'init')}", engine, out),
                                      nprocs=WORLD, join=False, start_method="spawn")
         deadline = time.monotonic() + TIMEOUT_S
         while not context.join(timeout=max(deadline - time.monotonic(), 0)):  # True once every rank ended
@@ -80,26 +89,30 @@ def one_process():
     return losses, grads, graphopt.last_report().summary()
 
 
-@pytest.mark.parametrize("optimize_ddp", [True, False], ids=["ddp_optimizer", "one_graph"])
-def test_ddp_trains_as_one_process_and_says_how(optimize_ddp, one_process):
+@pytest.mark.parametrize("engine", ["ddp_optimizer", "ddp_one_graph", "fsdp2"])
+def test_several_processes_train_as_one_and_say_how(engine, one_process):
     losses, grads, fusions = one_process
-    ranks = run_ranks(optimize_ddp)
-    # each rank's loss is the mean over its half; DDP averages the gradients, so both sides are the whole batch's
+    ranks = run_ranks(engine)
+    # each rank's loss is the mean over its half; DDP and FSDP2 average the gradients: both are the whole batch's
     assert relative_error(sum(r["losses"] for r in ranks) / WORLD, losses) <= 1e-5
     for rank in ranks:
         assert all(relative_error(rank["grads"][n], grads[n]) <= 1e-5 for n in grads)
         for plan in rank["plans"]:
             PLAN_SCHEMA.validate(plan)
         setups = [plan["distributed"] for plan in rank["plans"]]
-        assert all(s["world_size"] == WORLD and s["backend"] == "gloo" and s["engine"] == "DDP" for s in setups)
+        assert all(s["world_size"] == WORLD and s["backend"] == "gloo" for s in setups)
+        assert all(s["engine"] == ("FSDP2" if engine == "fsdp2" else "DDP") for s in setups)
         found = {}
         for plan in rank["plans"]:
             for record in plan["fusions"]:
                 found[record["pattern"]] = found.get(record["pattern"], 0) + 1
-        if optimize_ddp:  # one graph per bucket, each saying so
+        if engine == "ddp_optimizer":  # one graph per bucket, each saying so
             assert len(rank["plans"]) > 1 and all(s["split"] == 2**20 for s in setups)
             assert "one graph per gradient bucket" in rank["text"] and "optimize_ddp = False" in rank["text"]
-            assert found["rms_norm"] == fusions["rms_norm"]  # what no split can cut; LoRA and RoPE may be cut
-        else:
+            assert found["rms_norm"] == fusions["rms_norm"]  # no adapter inside a norm, so no split cuts one
+        elif engine == "ddp_one_graph":
             assert len(rank["plans"]) == 1 and setups[0]["split"] is None and found == fusions
             assert "the step one graph" in rank["text"]
+        else:  # FSDP2's hooks run between graphs: one per sharded layer, the fusions all found
+            assert len(rank["plans"]) > WIDE["num_hidden_layers"] and found == fusions
+            assert "FSDP2" in rank["text"]

@@ -116,7 +116,7 @@ def test_auto_picks_the_fastest_plan_its_estimate_fits(monkeypatch):
     (The reserve for what the graphs do not show is sized for real models: here the limits are set around the
     tiny model's estimates, with the reserve added back.)"""
     reserve = recompute.UNSEEN_RESERVE_GIB * 2**30
-    model = tiny_lora_model("llama", num_hidden_layers=6)
+    model = tiny_lora_model("llama", num_hidden_layers=3)
     ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(0))
     model.zero_grad(set_to_none=True)
     eager_loss = model(input_ids=ids, labels=ids).loss
@@ -156,7 +156,7 @@ def test_auto_without_a_limit_sizes_the_plan_to_the_weights(monkeypatch):
     """memory_budget="auto" alone: the estimate must fit WEIGHTS_MULTIPLE × the bytes of the parameters the graph
     reads. The multiple is set around the tiny model's estimates: budget 1 when it fits, else the largest that
     fits; nothing fits: budget 0 on the device, never offload (asked for by no one)."""
-    model = tiny_lora_model("llama", num_hidden_layers=6)
+    model = tiny_lora_model("llama", num_hidden_layers=3)
     weights = sum(p.nbytes for p in model.parameters())
     ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(0))
     peaks = {b: loss_grads_and_saved(model, ids, b)[2]["estimate"]["estimated_peak_bytes"] for b in (1, 0)}
