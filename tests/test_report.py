@@ -46,7 +46,7 @@ def test_to_json_round_trips_through_json():
     data = sample_report().to_json()
     assert json.loads(json.dumps(data)) == data
     assert set(data) == {"schema", "graph", "target", "options", "nodes_captured", "inputs", "parameters", "fusions",
-                         "misses", "lowering", "notes", "saved_for_backward", "cuda_graphs"}
+                         "misses", "lowering", "notes", "saved_for_backward", "cuda_graphs", "distributed"}
     assert data["cuda_graphs"] == {"on": True, "why": 'cuda_graphs="auto": static shapes on an NVIDIA GPU'}
     assert data["schema"] == SCHEMA == "graphopt.plan/1" and data["options"] == {"memory_budget": "auto"}
     assert (data["graph"], data["target"], data["nodes_captured"]) == (3, "cuda", 412)
@@ -61,6 +61,14 @@ def test_to_json_round_trips_through_json():
     assert data["lowering"][1] == {"op": "graphopt.rms_norm_backward.default", "count": 2,
                                    "implementation": "Triton <backward>",
                                    "note": "in the backward graph, when gradients are needed"}
+
+
+def test_the_distributed_set_up_is_in_the_summary_of_text_and_html():
+    report = sample_report()
+    report.distributed = {"world_size": 2, "rank": 1, "backend": "nccl", "engine": "DDP", "split": 25 * 2**20}
+    line = "distributed: rank 1 of 2 (nccl), DDP: its optimizer splits the step into one graph per gradient bucket"
+    assert line in report.to_text() and line in report.to_html()
+    assert Plan.from_json(json.loads(json.dumps(report.to_json()))).distributed == report.distributed
 
 
 def test_from_json_reads_what_to_json_wrote():
