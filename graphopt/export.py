@@ -29,9 +29,9 @@ from graphopt.devices import resolve_target
 from graphopt.kernels import reference
 from graphopt.lowering import ops  # noqa: F401  (defines torch.ops.graphopt.*)
 from graphopt.options import Options, parse_options
-from graphopt.pipeline import normalize_and_fuse
 from graphopt.passes.describe import graph_inputs
 from graphopt.passes.registry import FUSIONS
+from graphopt.pipeline import normalize_and_fuse
 from graphopt.plan import Plan
 from graphopt.report import publish, reports
 
