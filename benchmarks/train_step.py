@@ -16,6 +16,10 @@ benchmarks/run_train_step.sh runs all of them, each in its own process, and prin
   packed  SFT: the same documents, padding-free as HF's DataCollatorWithFlattening packs them: one row, per-
           document position_ids, the first label of each document -100
 tokens/s counts the documents' tokens only (what a padded step spends on pads is lost time).
+
+Memory: the peak over the timed steps, allocated and reserved. Before them, for every variant alike, the
+allocator's cache goes back to the device (what compiles and autotuning left) and one more untimed step maps
+again what the step needs; the warm-up's own peak reservation is recorded beside it (warmup_peak_reserved_gib).
 """
 
 import os
@@ -474,6 +478,7 @@ def run(args):
             warmup_batches += 2 * list({tuple(b["input_ids"].shape): b for b in timed}.values())
     first_loss = None
     warmup_peaks = []  # allocated, per warm-up step
+    warmup_reserved = 0  # the allocator's reservation at its highest in the warm-up (compiles, autotuning, recording)
     graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     start = time.perf_counter()
     for batch in warmup_batches:
@@ -485,6 +490,7 @@ def run(args):
         if device.type == "cuda":
             synchronize(device)
             warmup_peaks.append(torch.cuda.max_memory_allocated(device))
+            warmup_reserved = max(warmup_reserved, torch.cuda.max_memory_reserved(device))
     synchronize(device)
     warmup_s = time.perf_counter() - start
     warmup_compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_at_start
@@ -494,8 +500,16 @@ def run(args):
         print(f"graphopt compiled {len(graphopt.reports())} graph(s); the last one's report:", file=sys.stderr)
         print(graphopt.last_report().to_text(), file=sys.stderr)
 
+    reserved_after_warmup = None
     if device.type == "cuda":
+        # The steady state's reservation, for every variant alike: what the warm-up's compiles and autotuning left
+        # cached goes back to the device first (a CUDA graph's pool stays: its replays use it).
+        reserved_after_warmup = torch.cuda.memory_reserved(device)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        # one step more outside the timing: it maps again what the step needs (expandable segments), at its cost
+        train_step(forward, optimizer, warmup_batches[-1], autocast)
+        synchronize(device)
     # Graphs Dynamo compiles during the timed steps (a recompile there is paid in the timing)
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     start = time.perf_counter()
@@ -561,6 +575,8 @@ def run(args):
         # graphopt's estimate of what its compiled graphs hold at their peak (the report's), beside the measure
         "estimated_peak_gib": estimated_peak / 2**30 if isinstance(estimated_peak, int) else estimated_peak,
         "peak_reserved_gib": peak_reserved / 2**30 if peak_reserved is not None else None,
+        "warmup_peak_reserved_gib": warmup_reserved / 2**30 if device.type == "cuda" else None,
+        "reserved_after_warmup_gib": reserved_after_warmup / 2**30 if reserved_after_warmup is not None else None,
         "recording_peak_alloc_gib": recording_peak / 2**30 if recording_peak is not None else None,
         "first_loss": first_loss,
         "loss": loss.item(),
@@ -588,7 +604,9 @@ def run(args):
 
 def describe(r):
     memory = "n/a" if r["peak_alloc_gib"] is None else \
-        f"{r['peak_alloc_gib']:.2f} GiB (reserved {r['peak_reserved_gib']:.2f} GiB)" + \
+        f"{r['peak_alloc_gib']:.2f} GiB (reserved {r['peak_reserved_gib']:.2f} GiB" + \
+        (f"; in the warm-up {r['warmup_peak_reserved_gib']:.2f}, cached after it {r['reserved_after_warmup_gib']:.2f}"
+         if r.get("warmup_peak_reserved_gib") is not None else "") + ")" + \
         (", CUDA graphs: compare reserved" if r["cuda_graphs"] else "") + \
         (f"; allocated while recording them {r['recording_peak_alloc_gib']:.2f} GiB"
          if r.get("recording_peak_alloc_gib") is not None else "")
