@@ -45,6 +45,10 @@ if _variant_in_argv(sys.argv[1:]) == "unsloth":
     # It writes generated modules to ./unsloth_compiled_cache by default: keep them out of the repository.
     os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", "/tmp/unsloth_compiled_cache")
     import unsloth  # noqa: F401
+elif _variant_in_argv(sys.argv[1:]) == "graphopt":
+    # graphopt sets up the CUDA allocator when it is imported (expandable segments), before the model loads, as
+    # its README says to import it
+    import graphopt  # noqa: F401
 
 import argparse
 import datetime
@@ -401,6 +405,29 @@ def allocations_at_peak(events, start):
     return peak, at_peak
 
 
+def print_memory_segments(device):
+    """The caching allocator's segments now, by pool (the default one, a CUDA graph's), kind and whether they are
+    expandable: where reserved memory sits, and how much of it is free inside segments."""
+    pools = {}
+    for segment in torch.cuda.memory_snapshot():
+        if segment["device"] != (device.index or 0):
+            continue
+        pool_id = tuple(segment["segment_pool_id"])
+        pool = "default" if pool_id == (0, 0) else f"private {pool_id}"
+        key = (pool, segment["segment_type"], "expandable" if segment.get("is_expandable") else "fixed-size")
+        row = pools.setdefault(key, [0, 0, 0, 0])
+        free = [block["size"] for block in segment["blocks"] if block["state"] == "inactive"]
+        row[0] += 1
+        row[1] += segment["total_size"]
+        row[2] += segment["allocated_size"]
+        row[3] = max(row[3], max(free, default=0))
+    print("\n| pool | segments | reserved MiB | allocated MiB | largest free block MiB |", file=sys.stderr)
+    print("| --- | ---: | ---: | ---: | ---: |", file=sys.stderr)
+    for (pool, kind, expandable), (count, total, allocated, largest) in sorted(pools.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {pool}, {kind}, {expandable} | {count} | {total / 2**20:,.0f} | {allocated / 2**20:,.0f} | "
+              f"{largest / 2**20:,.0f} |", file=sys.stderr)
+
+
 def print_memory_at_peak(forward, optimizer, batch, device, top=30, autocast=None):
     """One more step under the CUDA allocator's history: replay its allocations and frees, and print what was
     allocated at the step's peak, largest first, each with the source line that allocated it (for Inductor's
@@ -543,6 +570,8 @@ def run(args):
     if args.memory_at_peak and device.type == "cuda":  # the batch of most positions sets the peak
         longest = max(batches[args.warmup:], key=lambda b: b["input_ids"].numel())
         print_memory_at_peak(forward, optimizer, longest, device, autocast=autocast)
+    if args.memory_segments and device.type == "cuda":
+        print_memory_segments(device)
 
     result = {
         "variant": args.variant,
@@ -719,6 +748,8 @@ def parse_args(argv):
     parser.add_argument("--memory-at-peak", action="store_true", help="then run one more step (the timed batch of "
                         "most positions) under the CUDA allocator's history and print what is allocated at its "
                         "peak, and where")
+    parser.add_argument("--memory-segments", action="store_true", help="then print the CUDA allocator's segments "
+                        "by pool (default, a CUDA graph's), kind and expandable or not: reserved, allocated, free")
     parser.add_argument("--table", metavar="PATH", help="print the markdown table of a results file and exit")
     args = parser.parse_args(argv)
     if args.table is None and args.variant is None:

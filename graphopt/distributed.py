@@ -2,8 +2,12 @@
 
 graphopt adds no distribution of its own: DDP, FSDP2 and DeepSpeed run around the compiled graphs as they do
 around any other. What the plan records is what changes graphopt's view of the step: how many processes train,
-over which process-group backend, inside DDP or FSDP2, and whether Dynamo's DDP optimizer split the step into
-several graphs.
+over which process-group backend, inside DDP, FSDP2 or DeepSpeed's ZeRO, and whether Dynamo's DDP optimizer split
+the step into several graphs.
+
+DeepSpeed's ZeRO stages 1 and 2 (`engine.compile(backend="graphopt")`) keep the step one graph: their hooks
+reduce each gradient as the compiled backward hands it to autograd, outside the graph. They are told by the
+attribute ZeRO's optimizer sets on every parameter it trains; ZeRO-3's parameters carry their own (`ds_id`).
 
 DDP's optimizer (torch._dynamo.config.optimize_ddp, on by default) cuts the captured step at the boundaries of
 DDP's gradient buckets, so that each bucket's all-reduce starts while the backward of the graphs before it runs.
@@ -14,6 +18,7 @@ it finds the split.
 """
 
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -22,18 +27,19 @@ SPLIT_ADVICE = ("set torch._dynamo.config.optimize_ddp = False before the first 
                 "DDP then all-reduces the gradients after the backward, which for LoRA's adapters costs little")
 
 
-def setup() -> Optional[dict]:
+def setup(example_inputs=()) -> Optional[dict]:
     """{"world_size", "rank", "backend", "engine", "split"} while a default process group exists, else None.
     engine: "DDP" inside a DistributedDataParallel forward, "FSDP2" where fully_shard has sharded modules of this
-    process, else None (DeepSpeed or a loop of one's own: not told apart); split: the bucket size in bytes where
-    DDP's optimizer splits this step into graphs, else None."""
+    process, "DeepSpeed ZeRO-1/2" or "DeepSpeed ZeRO-3" where the graph's parameters (among example_inputs) are
+    ZeRO's, else None (a loop of one's own); split: the bucket size in bytes where DDP's optimizer splits this step
+    into graphs, else None."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel._get_active_ddp_module()
     splits = ddp is not None and torch._dynamo.utils.get_optimize_ddp_mode() == "ddp_optimizer"
-    engine = "DDP" if ddp is not None else "FSDP2" if _fsdp2_in_use() else None
+    engine = "DDP" if ddp is not None else "FSDP2" if _fsdp2_in_use() else _zero_stage(example_inputs)
     return {"world_size": torch.distributed.get_world_size(), "rank": torch.distributed.get_rank(),
             "backend": str(torch.distributed.get_backend()), "engine": engine,
             "split": ddp.bucket_bytes_cap if splits else None}
@@ -49,6 +55,20 @@ def _fsdp2_in_use() -> bool:
     return any(isinstance(state(), FSDPState) for state in list(_module_state_mapping.values()))
 
 
+def _zero_stage(example_inputs) -> Optional[str]:
+    """Which ZeRO stage of DeepSpeed trains the graph's parameters, None where DeepSpeed is not imported or owns
+    none of them. ZeRO-1 and ZeRO-2 share their optimizer and its mark (param_idx_in_group), so they are one
+    answer."""
+    if "deepspeed" not in sys.modules:
+        return None
+    parameters = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
+    if any(hasattr(p, "ds_id") for p in parameters):
+        return "DeepSpeed ZeRO-3"
+    if any(hasattr(p, "param_idx_in_group") for p in parameters):
+        return "DeepSpeed ZeRO-1/2"
+    return None
+
+
 def describe(setup: Optional[dict]) -> str:
     """One line for the report's summary and the doctor."""
     if setup is None:
@@ -59,7 +79,12 @@ def describe(setup: Optional[dict]) -> str:
         return "one process (no torch.distributed process group)"
     line = f"rank {setup['rank']} of {setup['world_size']} ({setup['backend']})"
     if setup["engine"] is None:
-        return line + ", neither DDP nor FSDP2 (DeepSpeed or a loop of one's own: not told apart)"
+        return line + ", neither DDP, FSDP2 nor DeepSpeed's ZeRO (a loop of one's own)"
+    if setup["engine"] == "DeepSpeed ZeRO-1/2":
+        return line + (", DeepSpeed ZeRO-1/2: its hooks reduce the gradients as the backward hands them over, the "
+                       "step one graph")
+    if setup["engine"] == "DeepSpeed ZeRO-3":
+        return line + ", DeepSpeed ZeRO-3: its hooks gather the parameters between graphs (not tested with graphopt)"
     if setup["engine"] == "FSDP2":
         return line + ", FSDP2: its hooks gather and scatter between graphs (one graph per sharded module)"
     if setup["split"] is None:

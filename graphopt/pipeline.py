@@ -56,7 +56,7 @@ def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
     plan = Plan(graph=len(reports()), options=options.to_json(), nodes_captured=len(gm.graph.nodes))
     plan.target = options.target if explain else resolve_target(options.target, example_inputs)
     plan.inputs, plan.parameters = graph_inputs(gm, example_inputs)
-    plan.distributed = distributed.setup()
+    plan.distributed = distributed.setup(example_inputs)
     if plan.distributed and plan.distributed["split"]:
         plan.notes.append(f"DDP's optimizer split the step at its gradient buckets; {distributed.SPLIT_ADVICE}")
     saved = None

@@ -250,25 +250,55 @@ def _lora_linear_4bit_backward(grad_out, x, packed, shape, absmax, blocksize, qu
 # The caching allocator's expandable segments. Fine-tuning batches change length every step, and with fixed-size
 # segments the allocator splits and keeps blocks of every size met: on the H200, padded SFT batches at the
 # Llama-3.2-1B shape reserved 32.7 GiB for a 15.7 GiB peak, and the defaults' step took 380 ms instead of 205
-# (benchmarks/RESULTS.md). Unsloth turns them on when it is imported; graphopt when it first compiles a graph for
-# CUDA (the setting applies to segments allocated from then on), unless the user configured them either way.
+# (benchmarks/RESULTS.md). The setting applies to segments allocated from then on, and a model loaded into fixed
+# segments keeps them, with whatever the loading freed inside them (a QLoRA model quantized on load: 1 GiB more
+# reserved at the 1B shape). So graphopt turns them on when it is imported, as Unsloth does, and again when it
+# first compiles a graph for CUDA (reached through the backend's entry point alone), unless the user configured
+# them either way.
 _ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+_reserved_when_turned_on = []  # bytes the allocator held, in fixed segments, when graphopt turned them on
+
+
+def _user_setting():
+    """The allocator variable that names expandable segments, as 'NAME=VALUE', else None."""
+    named = [v for v in _ALLOC_CONF_VARIABLES if "expandable_segments" in os.environ.get(v, "")]
+    return f"{named[0]}={os.environ[named[0]]}" if named else None
+
+
+def expandable_segments_on_import() -> None:
+    """At graphopt's import, before a model loads: expandable segments on, where CUDA is NVIDIA's and the user has
+    not configured them. Initializes nothing on the device."""
+    if torch.version.cuda is None or _user_setting() or _reserved_when_turned_on:
+        return
+    _turn_on()
+
+
+def _turn_on() -> None:
+    reserved = torch.cuda.memory_reserved() if torch.cuda.is_initialized() else 0
+    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setting("expandable_segments:True")
+    _reserved_when_turned_on.append(reserved)
 
 
 def prefer_expandable_segments():
-    """Turns the CUDA allocator's expandable segments on unless an allocator variable names them; the report's
-    note (None without a CUDA device, as when the target is forced on another machine)."""
+    """Turns the CUDA allocator's expandable segments on unless an allocator variable names them (or graphopt's
+    import did); the report's note (None without a CUDA device, as when the target is forced on another
+    machine)."""
     if not torch.cuda.is_available():
         return None
-    for variable in _ALLOC_CONF_VARIABLES:
-        if "expandable_segments" in os.environ.get(variable, ""):
-            return f"CUDA allocator: as {variable}={os.environ[variable]} sets it"
+    if _user_setting():
+        return f"CUDA allocator: as {_user_setting()} sets it"
     if torch.version.hip:
         return "CUDA allocator: torch's defaults (expandable segments are left off on ROCm)"
-    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-    setting("expandable_segments:True")
-    return ("CUDA allocator: expandable segments turned on by graphopt, so that batches of changing length reuse "
+    if not _reserved_when_turned_on:
+        _turn_on()
+    note = ("CUDA allocator: expandable segments turned on by graphopt, so that batches of changing length reuse "
             "memory; PYTORCH_ALLOC_CONF=expandable_segments:False keeps them off")
+    if _reserved_when_turned_on[0]:
+        note += (f". {_reserved_when_turned_on[0] / 2**30:.2f} GiB were reserved before, in fixed-size segments that "
+                 f"keep what freed inside them: import graphopt before the model loads (or set "
+                 f"PYTORCH_ALLOC_CONF=expandable_segments:True) to have every segment expandable")
+    return note
 
 
 def register() -> None:

@@ -15,6 +15,7 @@ except ImportError as error:
     cuda, _CUDA_MISSING = None, str(error)
 else:
     cuda.register()
+    cuda.expandable_segments_on_import()
 
 
 _REFERENCES = {op: "pure-torch reference (kernels/reference.py)" for op in ops.ALL_OPS}

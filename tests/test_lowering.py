@@ -99,3 +99,36 @@ def test_cuda_report_names_the_fallback_the_inputs_take():
     assert cuda.lora_4bit_variant(x, packed, absmax, None, None, None, None, adapter, adapter) is None
     assert cuda.lora_4bit_variant(x, packed, absmax, None, None, None, None, same, same).startswith(
         "bitsandbytes' dequantize_4bit")
+
+
+@pytest.mark.parametrize("reserved_before", [0, 3 * 2**30])
+def test_expandable_segments_are_turned_on_at_import_and_the_report_says_what_was_reserved_before(
+        monkeypatch, reserved_before):
+    """A CUDA device faked on the CPU: graphopt's import turns the allocator's expandable segments on; the note of
+    the first compile says how much was reserved before, in fixed segments, and how to avoid it; a user's
+    allocator variable wins."""
+    from graphopt.lowering import cuda
+
+    settings = []
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: reserved_before > 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved_before)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append, raising=False)
+    monkeypatch.setattr(cuda, "_reserved_when_turned_on", [])
+    for variable in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(variable, raising=False)
+
+    cuda.expandable_segments_on_import()
+    note = cuda.prefer_expandable_segments()
+    assert settings == ["expandable_segments:True"]  # once: the compile finds them on
+    assert note.startswith("CUDA allocator: expandable segments turned on by graphopt")
+    assert ("3.00 GiB were reserved before" in note and "import graphopt before the model loads" in note) == \
+        (reserved_before > 0)
+
+    monkeypatch.setattr(cuda, "_reserved_when_turned_on", [])
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    cuda.expandable_segments_on_import()
+    assert settings == ["expandable_segments:True"]
+    assert cuda.prefer_expandable_segments() == "CUDA allocator: as PYTORCH_ALLOC_CONF=expandable_segments:False sets it"
