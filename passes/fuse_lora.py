@@ -45,7 +45,7 @@ import re
 import torch
 from torch.fx import GraphModule, Node
 
-from graphopt.passes.describe import module_classes, module_path, record_for
+from graphopt.passes.describe import module_classes, module_path, record_for, source_location
 from graphopt.passes.match import (FUSABLE_DTYPES, autocast_dtype, autocast_regions, is_call, is_cast, is_scalar,
                                    is_tensor, only_user, value)
 from graphopt.passes.rewrite import Miss, replace
@@ -136,6 +136,12 @@ def _match(lora_b: Node, autocast):
     if not is_call(base, *_LINEAR) and "Linear8bitLt" in module_classes(lora_b):  # PEFT's layer for an 8-bit base
         raise Miss("an 8-bit base (bitsandbytes' LLM.int8, load_in_8bit) is not fused: graphopt's op takes 4-bit "
                    "bases (load_in_4bit)")
+    # PEFT's bitsandbytes layers clone the base output; a graph input there was computed before a graph break
+    if (base.args[0] if base.op == "call_method" and base.target == "clone" else base).op == "placeholder":
+        raise Miss("the base output is computed outside this graph (a graph break inside the layer)" + (
+            ": bitsandbytes' quantized weights that FSDP2 shards break it (Dynamo cannot trace the swaps of their "
+            ".data); fully_shard(..., ignored_params=those weights) keeps them whole on each rank"
+            if "lora/bnb.py" in source_location(base) else ""))
     quantized = _quantized_base(base, x, autocast)
     if quantized is not None:
         base_args, base_nodes = quantized

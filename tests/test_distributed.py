@@ -5,7 +5,8 @@ Dynamo's DDP optimizer (torch._dynamo.config.optimize_ddp, its default) the step
 bucket and the report says fusions across the splits are lost and how to keep one graph; with it off each rank
 finds the fusions one process finds, and so does FSDP2 (fully_shard per decoder layer), over one graph per sharded
 module, and ZeRO-2 (engine.compile), over one graph. HF Trainer with a DeepSpeed ZeRO-2 config, optimizer offload
-off and on, logs the uncompiled Trainer's losses and gradient norms."""
+off and on, logs the uncompiled Trainer's losses and gradient norms. QLoRA under FSDP2 trains as one process, its
+LoRA fused where the 4-bit weights are kept whole (ignored_params)."""
 
 import os
 import tempfile
@@ -24,6 +25,7 @@ import graphopt
 from conftest import PLAN_SCHEMA
 from graphs import relative_error
 from models import tiny_lora_model
+from test_qlora import loss_and_grads, qlora_model
 from texts import VOCAB, pad_batch, sentences
 
 WORLD = 2
@@ -202,3 +204,44 @@ def test_hf_trainer_with_deepspeed_zero2_trains_as_uncompiled(offload):
         assert rank["plans"] and all(p["distributed"]["engine"] == "DeepSpeed ZeRO-1/2" for p in rank["plans"])
         training = [p for p in rank["plans"] if any(f["pattern"] == "linear_cross_entropy" for f in p["fusions"])]
         assert training and all(not p["misses"] for p in training)
+
+
+def qlora_fsdp2_worker(rank, init, ignore_4bit, out):
+    """A QLoRA model (bitsandbytes NF4 base) under fully_shard per decoder layer, its 4-bit weights sharded or kept
+    whole (ignored_params): the loss and adapters' gradients of one step, and the plans."""
+    import bitsandbytes
+
+    torch.set_num_threads(1)
+    model = qlora_model("llama")  # loaded before the process group exists, as one process loads it
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        ignored = {p for p in model.parameters() if isinstance(p, bitsandbytes.nn.Params4bit)} if ignore_4bit else None
+        for layer in model.get_base_model().model.layers:
+            fully_shard(layer, ignored_params=ignored)
+        fully_shard(model, ignored_params=ignored)
+        ids = IDS[rank * 2:(rank + 1) * 2]
+        loss, grads = loss_and_grads(model, ids, torch.compile(model, backend="graphopt"))
+        grads = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}
+        torch.save({"loss": loss, "grads": grads, "plans": [p.to_json() for p in graphopt.reports()]}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ignore_4bit", [True, False], ids=["4-bit weights whole", "4-bit weights sharded"])
+def test_qlora_under_fsdp2_trains_as_one_process(ignore_4bit):
+    """Whole on each rank (ignored_params), the 4-bit weights leave the step one graph per layer with every LoRA
+    fused; sharded, Dynamo breaks each layer's graph at their .data swaps, the numbers stay right and every LoRA
+    miss says how to keep them whole."""
+    model = qlora_model("llama")
+    loss, grads = loss_and_grads(model, IDS)
+    ranks = spawn(qlora_fsdp2_worker, ignore_4bit)
+    assert relative_error(sum(r["loss"] for r in ranks) / WORLD, loss) <= 1e-5
+    layers = model.config.num_hidden_layers
+    for rank in ranks:
+        assert all(relative_error(rank["grads"][n], g) <= 1e-5 for n, g in grads.items())
+        fused = sum(f["pattern"] == "lora_4bit" for plan in rank["plans"] for f in plan["fusions"])
+        missed = [m["reason"] for plan in rank["plans"] for m in plan["misses"] if m["pattern"] == "lora"]
+        if ignore_4bit:
+            assert fused == 7 * layers and not missed
+        else:
+            assert fused == 0 and missed and all("ignored_params" in reason for reason in missed)
