@@ -256,7 +256,7 @@ def _lora_linear_4bit_backward(grad_out, x, packed, shape, absmax, blocksize, qu
 # first compiles a graph for CUDA (reached through the backend's entry point alone), unless the user configured
 # them either way.
 _ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-_reserved_when_turned_on = []  # bytes the allocator held, in fixed segments, when graphopt turned them on
+_reserved_before = None  # bytes the allocator held, in fixed segments, when graphopt turned them on
 
 
 def _user_setting():
@@ -268,16 +268,16 @@ def _user_setting():
 def expandable_segments_on_import() -> None:
     """At graphopt's import, before a model loads: expandable segments on, where CUDA is NVIDIA's and the user has
     not configured them. Initializes nothing on the device."""
-    if torch.version.cuda is None or _user_setting() or _reserved_when_turned_on:
+    if torch.version.cuda is None or _user_setting() or _reserved_before is not None:
         return
     _turn_on()
 
 
 def _turn_on() -> None:
-    reserved = torch.cuda.memory_reserved() if torch.cuda.is_initialized() else 0
+    global _reserved_before
+    _reserved_before = torch.cuda.memory_reserved() if torch.cuda.is_initialized() else 0
     setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     setting("expandable_segments:True")
-    _reserved_when_turned_on.append(reserved)
 
 
 def prefer_expandable_segments():
@@ -286,16 +286,16 @@ def prefer_expandable_segments():
     machine)."""
     if not torch.cuda.is_available():
         return None
-    if _user_setting():
-        return f"CUDA allocator: as {_user_setting()} sets it"
+    if user := _user_setting():
+        return f"CUDA allocator: as {user} sets it"
     if torch.version.hip:
         return "CUDA allocator: torch's defaults (expandable segments are left off on ROCm)"
-    if not _reserved_when_turned_on:
+    if _reserved_before is None:
         _turn_on()
     note = ("CUDA allocator: expandable segments turned on by graphopt, so that batches of changing length reuse "
             "memory; PYTORCH_ALLOC_CONF=expandable_segments:False keeps them off")
-    if _reserved_when_turned_on[0]:
-        note += (f". {_reserved_when_turned_on[0] / 2**30:.2f} GiB were reserved before, in fixed-size segments that "
+    if _reserved_before:
+        note += (f". {_reserved_before / 2**30:.2f} GiB were reserved before, in fixed-size segments that "
                  f"keep what freed inside them: import graphopt before the model loads (or set "
                  f"PYTORCH_ALLOC_CONF=expandable_segments:True) to have every segment expandable")
     return note

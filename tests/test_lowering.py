@@ -116,7 +116,7 @@ def test_expandable_segments_are_turned_on_at_import_and_the_report_says_what_wa
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: reserved_before > 0)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved_before)
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append, raising=False)
-    monkeypatch.setattr(cuda, "_reserved_when_turned_on", [])
+    monkeypatch.setattr(cuda, "_reserved_before", None)
     for variable in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(variable, raising=False)
 
@@ -127,7 +127,7 @@ def test_expandable_segments_are_turned_on_at_import_and_the_report_says_what_wa
     assert ("3.00 GiB were reserved before" in note and "import graphopt before the model loads" in note) == \
         (reserved_before > 0)
 
-    monkeypatch.setattr(cuda, "_reserved_when_turned_on", [])
+    monkeypatch.setattr(cuda, "_reserved_before", None)
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
     cuda.expandable_segments_on_import()
     assert settings == ["expandable_segments:True"]
