@@ -285,11 +285,18 @@ def train_step(forward, optimizer, batch, autocast=None):
     return loss.detach()
 
 
+def batch_of_a_new_length(batches):
+    """The batch of most positions cut to the longest length no batch has (padded or packed: its rows cut short, so
+    its last documents lose their tails)."""
+    met = {b["input_ids"].shape[1] for b in batches}
+    longest = max(batches, key=lambda b: b["input_ids"].shape[1])
+    length = max(n for n in range(1, longest["input_ids"].shape[1]) if n not in met)
+    return {name: t[:, :length] for name, t in longest.items()}
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
 
 
 # Where a step's device time goes, by kind of kernel (first matching pattern wins; names lowercased).
@@ -567,6 +574,14 @@ def run(args):
                   file=sys.stderr)
     if args.profile:
         profile_steps(forward, optimizer, batches[-1], device, args.profile, autocast=autocast)
+    if args.profile_new_length:
+        new = batch_of_a_new_length(batches)
+        print(f"\nA length no step had before ({new['input_ids'].shape[1]}), its first step:", file=sys.stderr)
+        profile_steps(forward, optimizer, new, device, f"{args.profile_new_length}-new.json", steps=1,
+                      autocast=autocast)
+        print("The same batch again:", file=sys.stderr)
+        profile_steps(forward, optimizer, new, device, f"{args.profile_new_length}-seen.json", steps=1,
+                      autocast=autocast)
     if args.memory_at_peak and device.type == "cuda":  # the batch of most positions sets the peak
         longest = max(batches[args.warmup:], key=lambda b: b["input_ids"].numel())
         print_memory_at_peak(forward, optimizer, longest, device, autocast=autocast)
@@ -745,6 +760,9 @@ def parse_args(argv):
     parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"keep_logits\": true}'")
     parser.add_argument("--profile", metavar="PATH", help="then profile 2 more steps: print where the device "
                         "time goes, write a chrome trace to PATH")
+    parser.add_argument("--profile-new-length", metavar="PATH", help="then profile one step on a batch of a length "
+                        "no step had (a new size for a graph of dynamic shapes), and the same batch once more: "
+                        "PATH-new.json, PATH-seen.json")
     parser.add_argument("--memory-at-peak", action="store_true", help="then run one more step (the timed batch of "
                         "most positions) under the CUDA allocator's history and print what is allocated at its "
                         "peak, and where")

@@ -4,19 +4,12 @@ partitioned) of one process training the whole batch; the report says what the d
 Dynamo's DDP optimizer (torch._dynamo.config.optimize_ddp, its default) the step arrives as one graph per gradient
 bucket and the report says fusions across the splits are lost and how to keep one graph; with it off each rank
 finds the fusions one process finds, and so does FSDP2 (fully_shard per decoder layer), over one graph per sharded
-module, and ZeRO-2 (engine.compile), over one graph. HF Trainer with a DeepSpeed ZeRO-2 config, optimizer offload
-off and on, logs the uncompiled Trainer's losses and gradient norms. QLoRA under FSDP2 trains as one process, its
-LoRA fused where the 4-bit weights are kept whole (ignored_params)."""
-
-import os
-import tempfile
-import time
+module, and ZeRO-2 (engine.compile), over one graph. HF Trainer under DeepSpeed and QLoRA under FSDP2:
+tests/test_distributed_trainers.py."""
 
 import pytest
 import torch
 import torch.distributed as dist
-import transformers
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -25,15 +18,11 @@ import graphopt
 from conftest import PLAN_SCHEMA
 from graphs import relative_error
 from models import tiny_lora_model
-from test_qlora import loss_and_grads, qlora_model
-from texts import VOCAB, pad_batch, sentences
+from ranks import IDS, WORLD, init_rank, spawn
 
-WORLD = 2
 STEPS = 3
-IDS = torch.randint(0, 128, (2 * WORLD, 16), generator=torch.Generator().manual_seed(0))
 # Wide enough that the adapters' gradients (~1.5 MiB) fill more than one of DDP's 1 MiB buckets
 WIDE = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4)
-TIMEOUT_S = 600  # a hang fails the test instead of holding CI
 
 
 def train(forward, model, ids):
@@ -75,8 +64,7 @@ def train_zero2(model, ids):
 def worker(rank, init, engine, out):
     torch.set_num_threads(1)
     torch._dynamo.config.optimize_ddp = engine == "ddp_optimizer"
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))  # as a launcher sets them
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    init_rank(rank, init)
     try:
         model = tiny_lora_model("llama", **WIDE)
         ids = IDS[rank * 2:(rank + 1) * 2]
@@ -97,21 +85,6 @@ def worker(rank, init, engine, out):
                     "text": graphopt.last_report().to_text()}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
-
-
-def spawn(target, *args):
-    """Run target(rank, init, *args, out) in WORLD processes; what each rank saved to out."""
-    with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "rank")
-        context = mp.start_processes(target, args=(f"file://{os.path.join(folder, 'init')}", *args, out),
-                                     nprocs=WORLD, join=False, start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        while not context.join(timeout=max(deadline - time.monotonic(), 0)):  # True once every rank ended
-            if time.monotonic() >= deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"the {WORLD} processes of {target.__name__}{args} did not finish within {TIMEOUT_S} s")
-        return [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
 
 
 def run_ranks(engine):
@@ -162,86 +135,3 @@ def test_several_processes_train_as_one_and_say_how(engine, one_process):
             assert "FSDP2" in rank["text"]
         else:  # ZeRO-2's hooks run as the backward hands each gradient over: one graph
             assert len(rank["plans"]) == 1 and found == fusions and "DeepSpeed ZeRO-1/2" in rank["text"]
-
-
-def trainer_worker(rank, init, compiled, offload, out):
-    """HF Trainer with a DeepSpeed ZeRO-2 config (its optimizer's state in host memory with offload): the model
-    compiled in place before the Trainer gets it, as README says for one process."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
-    try:
-        model = tiny_lora_model("llama", vocab_size=VOCAB)
-        if compiled:
-            model.compile(backend="graphopt")
-        zero = {"stage": 2, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
-        # "auto": the Trainer's arguments fill them in; a torch optimizer stands in for DeepSpeed's CPU Adam,
-        # which is a C++ build
-        config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                  "gradient_clipping": "auto", "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-                  "zero_force_ds_cpu_optimizer": False}
-        args = transformers.TrainingArguments(
-            f"{out}-trainer", deepspeed=config, seed=0, data_seed=0, per_device_train_batch_size=2,
-            gradient_accumulation_steps=2, max_steps=3, learning_rate=2e-3, max_grad_norm=1.0, logging_steps=1,
-            save_strategy="no", report_to=[], disable_tqdm=True)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=sentences()[:24], data_collator=pad_batch)
-        trainer.train()
-        adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        torch.save({"history": trainer.state.log_history, "adapters": adapters,
-                    "plans": [p.to_json() for p in graphopt.reports()]}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("offload", [False, True], ids=["offload off", "optimizer offload"])
-def test_hf_trainer_with_deepspeed_zero2_trains_as_uncompiled(offload):
-    eager, compiled = (spawn(trainer_worker, c, offload) for c in (False, True))
-    for key in ("loss", "grad_norm"):
-        logged = [[entry[key] for entry in rank["history"] if key in entry] for rank in (eager[0], compiled[0])]
-        assert len(logged[0]) == 3 and logged[1] == pytest.approx(logged[0], rel=1e-5), key
-    for rank in compiled:
-        assert all(relative_error(w, eager[0]["adapters"][n]) <= 1e-5 for n, w in rank["adapters"].items())
-        assert rank["plans"] and all(p["distributed"]["engine"] == "DeepSpeed ZeRO-1/2" for p in rank["plans"])
-        training = [p for p in rank["plans"] if any(f["pattern"] == "linear_cross_entropy" for f in p["fusions"])]
-        assert training and all(not p["misses"] for p in training)
-
-
-def qlora_fsdp2_worker(rank, init, ignore_4bit, out):
-    """A QLoRA model (bitsandbytes NF4 base) under fully_shard per decoder layer, its 4-bit weights sharded or kept
-    whole (ignored_params): the loss and adapters' gradients of one step, and the plans."""
-    import bitsandbytes
-
-    torch.set_num_threads(1)
-    model = qlora_model("llama")  # loaded before the process group exists, as one process loads it
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
-    try:
-        ignored = {p for p in model.parameters() if isinstance(p, bitsandbytes.nn.Params4bit)} if ignore_4bit else None
-        for layer in model.get_base_model().model.layers:
-            fully_shard(layer, ignored_params=ignored)
-        fully_shard(model, ignored_params=ignored)
-        ids = IDS[rank * 2:(rank + 1) * 2]
-        loss, grads = loss_and_grads(model, ids, torch.compile(model, backend="graphopt"))
-        grads = {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}
-        torch.save({"loss": loss, "grads": grads, "plans": [p.to_json() for p in graphopt.reports()]}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("ignore_4bit", [True, False], ids=["4-bit weights whole", "4-bit weights sharded"])
-def test_qlora_under_fsdp2_trains_as_one_process(ignore_4bit):
-    """Whole on each rank (ignored_params), the 4-bit weights leave the step one graph per layer with every LoRA
-    fused; sharded, Dynamo breaks each layer's graph at their .data swaps, the numbers stay right and every LoRA
-    miss says how to keep them whole."""
-    model = qlora_model("llama")
-    loss, grads = loss_and_grads(model, IDS)
-    ranks = spawn(qlora_fsdp2_worker, ignore_4bit)
-    assert relative_error(sum(r["loss"] for r in ranks) / WORLD, loss) <= 1e-5
-    layers = model.config.num_hidden_layers
-    for rank in ranks:
-        assert all(relative_error(rank["grads"][n], g) <= 1e-5 for n, g in grads.items())
-        fused = sum(f["pattern"] == "lora_4bit" for plan in rank["plans"] for f in plan["fusions"])
-        missed = [m["reason"] for plan in rank["plans"] for m in plan["misses"] if m["pattern"] == "lora"]
-        if ignore_4bit:
-            assert fused == 7 * layers and not missed
-        else:
-            assert fused == 0 and missed and all("ignored_params" in reason for reason in missed)
