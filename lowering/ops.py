@@ -322,9 +322,9 @@ def check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora
                  and packed.numel() == (shape[0] * shape[1] + 1) // 2,
                  lambda: f"lora_linear_4bit: packed must hold the {shape} weight's 4-bit codes two a byte (uint8), "
                          f"got {packed.dtype} of {packed.numel()} elements")
-    torch._check(quant_type in QUANT_TYPES and blocksize > 0 and blocksize & (blocksize - 1) == 0,
+    torch._check(quant_type in QUANT_TYPES and blocksize >= 2 and blocksize & (blocksize - 1) == 0,
                  lambda: f"lora_linear_4bit: quant_type {quant_type!r} must be one of {QUANT_TYPES}, blocksize "
-                         f"{blocksize} a power of 2")
+                         f"{blocksize} a power of 2 (bitsandbytes makes 32 to 4096)")
     check_lora_linear(x, shape, lora_a, lora_b, dropout_mask, dropout_p, op="lora_linear_4bit")
 
 

@@ -19,12 +19,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import KernelInterface
 
-from graphopt.kernels import cross_entropy, gated_activation, layout, linear_logprobs, lora, rmsnorm, rope
+from graphopt.kernels import (cross_entropy, dequantize_4bit, gated_activation, layout, linear_logprobs, lora,
+                              rmsnorm, rope)
 
 # SMs or CUs of each target's GPU: H100/H200, A100, MI300X, one MI250X die (ROCm shows each as a GPU), RX 7900 XTX
 MULTIPROCESSORS = {"90": 132, "80": 108, "gfx942": 304, "gfx90a": 110, "gfx1100": 96}
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
-           torch.int32: "*i32", torch.bool: "*i1"}
+           torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"}
 launches = []
 
 
@@ -58,7 +59,16 @@ def run_launch_functions(multiprocessors):
     def randn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=g).to(dtype)
 
+    from bitsandbytes import functional as bnb_functional
+
+    quantized = {nested: bnb_functional.quantize_4bit(randn(96, 200, dtype=torch.float32), blocksize=64,
+                                                      quant_type="nf4", compress_statistics=nested)
+                 for nested in (False, True)}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for nested, (packed, state) in quantized.items():  # QLoRA's base: absmax double-quantized or not
+            absmax = (state.state2.absmax, state.absmax, state.state2.code, state.offset) if nested else (
+                state.absmax, None, None, None)
+            dequantize_4bit.dequantize_4bit(packed, [96, 200], absmax[0], 64, "nf4", *absmax[1:], dtype)
         x, w = randn(64, 256, dtype=dtype), randn(256, dtype=dtype)
         rmsnorm.rms_norm_forward(x, w, 1e-6, 0.0, dtype)
         rmsnorm.rms_norm_backward(randn(64, 256, dtype=dtype), x, w, 1e-6, 0.0, True)

@@ -1,5 +1,6 @@
-"""The analyses behind benchmarks/train_step.py's --profile (per-stream timeline) and --memory-at-peak (the
-allocator's history replayed), and the SFT batches of --data: the figures in benchmarks/RESULTS.md come from them."""
+"""The analyses behind benchmarks/train_step.py's --profile (per-stream timeline; --profile-new-length's batch)
+and --memory-at-peak (the allocator's history replayed), and the SFT batches of --data: the figures in
+benchmarks/RESULTS.md come from them."""
 
 import json
 import pathlib
@@ -133,3 +134,16 @@ def test_varying_lengths_warm_up_on_the_longest_and_shortest_batch(tmp_path):
     result = json.loads(path.read_text())
     assert result["warmup"] == 3 and result["steps"] == 2
     assert result["warmup_compiles"] == 0 and result["timed_compiles"] == 0
+
+
+def test_profile_new_length_cuts_the_longest_batch_to_a_length_no_batch_has():
+    """--profile-new-length: a size the graph of dynamic shapes has not met, from the batch of most positions."""
+    for data in ("padded", "packed"):
+        batches, _ = train_step.make_batches(data, 4, None, 6, 1000, "cpu")
+        new = train_step.batch_of_a_new_length(batches)
+        lengths = {b["input_ids"].shape[1] for b in batches}
+        length = new["input_ids"].shape[1]
+        assert length not in lengths and length > max(lengths) - len(lengths) - 1
+        longest = max(batches, key=lambda b: b["input_ids"].shape[1])
+        assert new.keys() == longest.keys()
+        assert all(torch.equal(new[k], longest[k][:, :length]) for k in new)

@@ -98,7 +98,7 @@ def test_cuda_report_names_the_fallback_the_inputs_take():
     packed, absmax = registry.Running(torch.uint8, (1024, 1), cpu), registry.Running(fp32, (32,), cpu)
     assert cuda.lora_4bit_variant(x, packed, absmax, None, None, None, None, adapter, adapter) is None
     assert cuda.lora_4bit_variant(x, packed, absmax, None, None, None, None, same, same).startswith(
-        "bitsandbytes' dequantize_4bit")
+        "Triton kernel kernels/dequantize_4bit.py")
 
 
 @pytest.mark.parametrize("reserved_before", [0, 3 * 2**30])
