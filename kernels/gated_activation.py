@@ -33,7 +33,7 @@ def _offsets(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return rows[:, None], cols[None, :], mask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
 def _gated_forward_kernel(G, U, H, n_rows, n_cols, stride_g, stride_u, stride_h,
                           KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows, cols, mask = _offsets(n_rows, n_cols, BLOCK_M, BLOCK_N)
@@ -43,7 +43,7 @@ def _gated_forward_kernel(G, U, H, n_rows, n_cols, stride_g, stride_u, stride_h,
     tl.store(H + rows * stride_h + cols, (act * u).to(H.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
 def _gated_backward_kernel(DH, G, U, DG, DU, n_rows, n_cols, stride_dh, stride_g, stride_u, stride_dg, stride_du,
                            KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows, cols, mask = _offsets(n_rows, n_cols, BLOCK_M, BLOCK_N)

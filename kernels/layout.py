@@ -47,6 +47,12 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Unspecialized sizes: a kernel's integer arguments that follow the batch's token count (rows, sequence length) are
+# named in its do_not_specialize. Triton compiles a kernel again for every new combination of "divisible by 16"
+# and "equal to 1" among its integer arguments; with batches of varying length (a graph of dynamic shapes) the
+# combinations turn up one by one, each a compile inside a training step. Unspecialized, one compile serves every
+# length; what it gives up is a divisibility hint on a row count, which only masks and loop bounds read.
+
 # Host-side integer helpers for launch functions. triton.cdiv and triton.next_power_of_2 are constexpr functions
 # since Triton 3.5: about 4 µs a call from Python, ~14 calls in one LoRA backward, where the step is bound by the
 # host's launch speed (benchmarks/RESULTS.md). Inside @triton.jit code, use tl.cdiv.

@@ -33,7 +33,7 @@ def _transform(y, logit_scale, softcap, inv_temperature, HAS_SOFTCAP: tl.constex
     return z * inv_temperature, capped
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
 def _logprobs_forward_kernel(
     LOGITS, TARGETS, LOG_PROBS, ENTROPY, LOG_SUM_SQ, MEAN, TOP1, LOG_Z, n_rows, n_cols, stride_row,
     logit_scale, softcap, inv_temperature,
@@ -87,7 +87,7 @@ def _logprobs_forward_kernel(
         tl.store(TOP1 + rows, (z_target >= running_max) & (z_target > max_before_target), mask=row_in)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
 def _logprobs_backward_kernel(
     LOGITS, TARGETS, LOG_Z, ENTROPY, GRAD_LOG_PROBS, GRAD_ENTROPY, n_rows, n_cols, stride_row,
     logit_scale, softcap, inv_temperature,

@@ -75,7 +75,7 @@ def _project_row_block(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, strid
              mask=(rows < n_rows)[:, None] & (ranks < rank)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
 def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_wk, scale,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
                     SPLIT_BF16: tl.constexpr):
@@ -83,7 +83,7 @@ def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_w
                        BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
 def _project_pair_kernel(X, A, XA, G, B, GRAD_XA, n_rows, n_in, n_out, rank, stride_x, stride_g,
                          stride_a0, stride_a1, stride_b0, stride_b1, scale,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -119,7 +119,7 @@ def _reduce_split(LOW, X, first, end, n_cols, rank, stride_x, cols,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_per_split"])  # token-count sizes: kernels/layout.py
 def _reduce_rows_pair_kernel(G, XA, GRAD_XA, X, P, n_rows, n_out, n_in, rank, rows_per_split, stride_g, stride_x,
                              out_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                              PRECISION: tl.constexpr, SPLIT_BF16_X: tl.constexpr, SPLIT_BF16_G: tl.constexpr):
@@ -145,7 +145,7 @@ def _reduce_rows_pair_kernel(G, XA, GRAD_XA, X, P, n_rows, n_out, n_in, rank, ro
                  mask=(ranks < rank)[:, None] & (cols < n_in)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])  # token-count sizes: kernels/layout.py
 def _sum_splits_kernel(P, GRAD_B, GRAD_A, splits, grad_b_size, size, BLOCK: tl.constexpr):
     # GRAD_B, GRAD_A = Σ_split P[split], P[split] being dB's elements then dA's (_reduce_rows_pair_kernel)
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -157,7 +157,7 @@ def _sum_splits_kernel(P, GRAD_B, GRAD_A, splits, grad_b_size, size, BLOCK: tl.c
     tl.store(GRAD_A + (offsets - grad_b_size), acc, mask=(offsets >= grad_b_size) & (offsets < size))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
 def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, stride_wn, stride_wr, scale,
                          ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):

@@ -15,7 +15,7 @@ from graphopt.kernels.layout import as_rows
 MAX_HIDDEN = 65536
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
 def _rms_norm_forward_kernel(
     X, W, Y, n_rows, n_cols, stride_x, stride_y, eps, weight_offset,
     HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -32,7 +32,7 @@ def _rms_norm_forward_kernel(
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program"])  # token-count sizes: kernels/layout.py
 def _rms_norm_backward_kernel(
     DY, X, W, DX, DW_PARTIAL, n_rows, n_cols, rows_per_program,
     stride_dy, stride_x, stride_dx, eps, weight_offset,

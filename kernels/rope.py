@@ -42,7 +42,7 @@ def _rotate_rows(X, Y, C, S, program, n_rows, n_heads, seq, stride_xb, stride_xh
         tl.store(Y + y_row + rest, x.to(Y.dtype.element_ty), mask=rest_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_programs", "batch", "seq"])  # token-count sizes: kernels/layout.py
 def _rope_kernel(Q, K, QO, KO, C, S, q_programs, batch, seq, q_heads, k_heads,
                  stride_qb, stride_qh, stride_qs, stride_qd, stride_kb, stride_kh, stride_ks, stride_kd,
                  stride_cb, stride_cs, stride_cd, head_dim, rot_dim,
