@@ -43,7 +43,9 @@ def _dequantize_4bit_kernel(
     tl.store(OUT + element, tl.interleave(high, low).to(OUT.dtype.element_ty), mask=element < n_elements)
 
 
-_values = {}  # (quant type, device) → the 16 values, as bitsandbytes dequantizes each code there
+# (quant type, device) → the 16 values, as bitsandbytes dequantizes each code there; filled at a device's first
+# call, which CUDA graph trees run eagerly before they record
+_values = {}
 
 
 def quant_values(quant_type, device):
