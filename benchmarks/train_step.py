@@ -19,7 +19,8 @@ tokens/s counts the documents' tokens only (what a padded step spends on pads is
 
 Memory: the peak over the timed steps, allocated and reserved. Before them, for every variant alike, the
 allocator's cache goes back to the device (what compiles and autotuning left) and one more untimed step maps
-again what the step needs; the warm-up's own peak reservation is recorded beside it (warmup_peak_reserved_gib).
+again what the step needs; the warm-up's own peaks are recorded beside it (warmup_peak_reserved_gib and
+warmup_peak_alloc_gib), with what was reserved when it began (reserved_before_warmup_gib: what loading left).
 """
 
 import os
@@ -513,6 +514,8 @@ def run(args):
     first_loss = None
     warmup_peaks = []  # allocated, per warm-up step
     warmup_reserved = 0  # the allocator's reservation at its highest in the warm-up (compiles, autotuning, recording)
+    # what the model's loading left reserved, cached or not, which the warm-up's peak reservation includes
+    reserved_before_warmup = torch.cuda.memory_reserved(device) if device.type == "cuda" else None
     graphs_at_start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     start = time.perf_counter()
     for batch in warmup_batches:
@@ -620,6 +623,8 @@ def run(args):
         "estimated_peak_gib": estimated_peak / 2**30 if isinstance(estimated_peak, int) else estimated_peak,
         "peak_reserved_gib": peak_reserved / 2**30 if peak_reserved is not None else None,
         "warmup_peak_reserved_gib": warmup_reserved / 2**30 if device.type == "cuda" else None,
+        "warmup_peak_alloc_gib": max(warmup_peaks) / 2**30 if warmup_peaks else None,
+        "reserved_before_warmup_gib": reserved_before_warmup / 2**30 if reserved_before_warmup is not None else None,
         "reserved_after_warmup_gib": reserved_after_warmup / 2**30 if reserved_after_warmup is not None else None,
         "recording_peak_alloc_gib": recording_peak / 2**30 if recording_peak is not None else None,
         "first_loss": first_loss,
@@ -649,8 +654,9 @@ def run(args):
 def describe(r):
     memory = "n/a" if r["peak_alloc_gib"] is None else \
         f"{r['peak_alloc_gib']:.2f} GiB (reserved {r['peak_reserved_gib']:.2f} GiB" + \
-        (f"; in the warm-up {r['warmup_peak_reserved_gib']:.2f}, cached after it {r['reserved_after_warmup_gib']:.2f}"
-         if r.get("warmup_peak_reserved_gib") is not None else "") + ")" + \
+        (f"; in the warm-up {r['warmup_peak_reserved_gib']:.2f} of which {r['reserved_before_warmup_gib']:.2f} before "
+         f"it, allocated {r['warmup_peak_alloc_gib']:.2f}; cached after it {r['reserved_after_warmup_gib']:.2f}"
+         if r.get("reserved_before_warmup_gib") is not None else "") + ")" + \
         (", CUDA graphs: compare reserved" if r["cuda_graphs"] else "") + \
         (f"; allocated while recording them {r['recording_peak_alloc_gib']:.2f} GiB"
          if r.get("recording_peak_alloc_gib") is not None else "")
