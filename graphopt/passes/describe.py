@@ -18,12 +18,20 @@ _SITE = re.compile(r".*/(site|dist)-packages/")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
+def model_stack(node: torch.fx.Node) -> list:
+    """The (path, class) of each module the node was traced in, outermost first, those of the compiled model only.
+    A module reached through a global is not the model's: from transformers 5.25 the `kernels` package wraps
+    functions such as apply_rotary_pos_emb in a module instance of its own, which Dynamo records as
+    G['…'].apply_rotary_pos_emb inside the attention layer that calls it."""
+    return [entry for entry in (node.meta.get("nn_module_stack") or {}).values() if not entry[0].startswith("G[")]
+
+
 def module_path(node: torch.fx.Node) -> str:
     """The innermost module the node was traced in, as a dotted path from the compiled root."""
-    stack = node.meta.get("nn_module_stack")
+    stack = model_stack(node)
     if not stack:
         return "<top level>"
-    path = list(stack.values())[-1][0]
+    path = stack[-1][0]
     # the compiled frame's root: L['self'], or L['args'][0] when a wrapper of forward was compiled (accelerate's
     # autocast around model.forward under nn.Module.compile)
     path = re.sub(r"^L\['[^']*'\](?:\[0\])?\.?", "", path)
@@ -35,7 +43,7 @@ def module_path(node: torch.fx.Node) -> str:
 def module_classes(node: torch.fx.Node) -> list:
     """Class names of the modules the node was traced in, outermost first."""
     return [cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
-            for _, cls in (node.meta.get("nn_module_stack") or {}).values()]
+            for _, cls in model_stack(node)]
 
 
 def module_class(node: torch.fx.Node) -> str:
@@ -66,8 +74,8 @@ def node_key(node: torch.fx.Node) -> str:
     """A name for the node that every process capturing the same model gives it: `module path/call#k`, the k-th
     call of that operation traced in that module (graph names and Python ids are not stable)."""
     def scope(n):
-        stack = n.meta.get("nn_module_stack")
-        return next(reversed(stack.values()))[0] if stack else None
+        stack = model_stack(n)
+        return stack[-1][0] if stack else None
 
     here, position = scope(node), 0
     for other in node.graph.find_nodes(op=node.op, target=node.target):  # in graph order, from FX's index

@@ -1,8 +1,8 @@
 """Per-op micro-benchmarks: each graphopt op against the same unfused subgraph, eager and under Inductor.
 
-    python benchmarks/kernels.py                                   # all ops, Llama-3.2-1B shape, on the GPU
-    python benchmarks/kernels.py --ops rms_norm --json results.jsonl
-    python benchmarks/kernels.py --device cpu --tokens 256         # smoke test: CPU timings mean nothing
+    python benchmarks/per_op.py                                   # all ops, Llama-3.2-1B shape, on the GPU
+    python benchmarks/per_op.py --ops rms_norm --json results.jsonl
+    python benchmarks/per_op.py --device cpu --tokens 256         # smoke test: CPU timings mean nothing
 
 Ops, at the Llama-3.2-1B shape (tokens = 4 × 2048, hidden 2048, intermediate 8192, LoRA r=16), bf16 with
 PEFT's fp32 adapters:
