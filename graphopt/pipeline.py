@@ -74,7 +74,7 @@ def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
     # 4–6. autograd → partition → lower. The target's lowering says how each graphopt op will run.
     lowering = lowering_registry.lowering_for(plan.target)
     check_cuda_graphs(options, plan.target)
-    note = lowering.prepare() if lowering.prepare and not explain else None
+    note = lowering.prepare(gm) if lowering.prepare and not explain else None
     if note:
         plan.notes.append(note)
     lowering_registry.record(gm, lowering, plan)
@@ -130,6 +130,10 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
         settings = dict(custom_partitioner_fn=partitioner)
         if graphs:
             settings.update({"triton.cudagraphs": True, "graph_partition": True})
+            # Inductor would move the gradients' copies to the backward's end, one partition fewer per copy,
+            # and keep every gradient in the pool until then (passes/graph_pool.py)
+            if hasattr(torch._inductor.config.triton, "reorder_for_reducing_graph_partitions"):
+                settings["triton.reorder_for_reducing_graph_partitions"] = False
         # Inductor's FX graph cache serves the forward and backward graphs to a later process (the partitioner's
         # uuid keys them with graphopt's code and settings). AOTAutograd's cache, which serves both already
         # partitioned, skips the partitioner and so the decision the plan records: it is on only where the

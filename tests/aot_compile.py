@@ -35,7 +35,8 @@ def record(kernel, grid):  # kernel[grid](*args, **kwargs) records instead of la
 
 def signature(kernel, args, kwargs):
     kwargs = dict(kwargs)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion")
+               if key in kwargs}
     values = dict(zip(kernel.arg_names, args)) | kwargs
     types, constexprs = {}, {}
     for param in kernel.params:

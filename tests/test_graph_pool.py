@@ -13,7 +13,7 @@ import graphopt
 from graphopt import pipeline
 from graphopt.lowering.registry import lowering_for
 from graphopt.options import Options, cuda_graphs_decision
-from graphopt.passes import recompute
+from graphopt.passes import graph_pool, recompute
 from graphs import relative_error
 from models import tiny_lora_model
 
@@ -81,11 +81,18 @@ def accumulated(forward, model, micro_batches, steps=2):
 def test_gradients_and_loss_are_routed_through_the_copy(fresh_dynamo, monkeypatch):
     """cuda_graphs=True on the CPU (past the check that refuses it there): Inductor records no CUDA graph, but the
     copies are inserted as on a GPU: the loss in the forward, every trainable parameter's gradient in the
-    backward, and nothing else; and gradient accumulation over two micro-batches equals eager's."""
+    backward, and nothing else, the gradients in groups, each copied right after its last one is computed; and
+    gradient accumulation over two micro-batches equals eager's."""
     monkeypatch.setattr(pipeline, "check_cuda_graphs", lambda options, target: None)
-    routed = []
+    routed, backwards = [], []
     copy = recompute.copy_out_of_graph_pool
-    monkeypatch.setattr(recompute, "copy_out_of_graph_pool", lambda *args: routed.append(copy(*args)) or routed[-1])
+
+    def spy(forward, backward, *args):
+        routed.append(copy(forward, backward, *args))
+        backwards.append(backward)
+        return routed[-1]
+
+    monkeypatch.setattr(recompute, "copy_out_of_graph_pool", spy)
     model = tiny_lora_model("llama")
     batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     expected_losses, expected = accumulated(model, model, batches)
@@ -94,6 +101,10 @@ def test_gradients_and_loss_are_routed_through_the_copy(fresh_dynamo, monkeypatc
 
     trainable = sum(p.requires_grad for p in model.parameters())
     assert routed == [1 + trainable]
+    copies = backwards[0].graph.find_nodes(op="call_function", target=torch.ops.graphopt.copy_out_of_graph_pool.default)
+    assert 1 < len(copies) <= graph_pool.GRADIENT_GROUPS + 1
+    assert sum(len(c.args[0]) for c in copies) == trainable
+    assert all(c.prev in c.args[0] for c in copies)
     assert graphopt.last_report().cuda_graphs == {"on": True, "why": "cuda_graphs=True"}
     assert all(relative_error(torch.tensor(a), torch.tensor(b)) <= 1e-5 for a, b in zip(losses, expected_losses))
     assert all(relative_error(grads[n], expected[n]) <= 1e-5 for n in expected)

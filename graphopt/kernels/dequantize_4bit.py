@@ -23,14 +23,16 @@ from graphopt.kernels.reference import NESTED_BLOCKSIZE
 
 @triton.jit
 def _dequantize_4bit_kernel(
-    PACKED, VALUES, ABSMAX, ABSMAX_8BIT, ABSMAX_CODE, ABSMAX_OFFSET, OUT, n_elements, blocksize,
-    NESTED: tl.constexpr, NESTED_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    PACKED, VALUES, ABSMAX, ABSMAX_8BIT, ABSMAX_CODE, ABSMAX_OFFSET, OUT, n_elements,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # BLOCK bytes a program: 2·BLOCK elements, written as one contiguous run (the two nibbles interleaved)
     byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = 2 * byte < n_elements
     codes = tl.load(PACKED + byte, mask=in_range, other=0).to(tl.int32)
-    block = (2 * byte) // blocksize  # blocksize is even: both nibbles of a byte share a block
+    # a constant block size makes this division a shift (bitsandbytes' are powers of two); a runtime one costs
+    # more instructions per byte than the rest of the kernel. Even: both nibbles of a byte share a block
+    block = (2 * byte) // BLOCKSIZE
     if NESTED:
         absmax_byte = tl.load(ABSMAX_8BIT + block, mask=in_range, other=0).to(tl.int32)
         scale = tl.load(ABSMAX_CODE + absmax_byte) * tl.load(ABSMAX + block // NESTED_BLOCK, mask=in_range,
@@ -43,8 +45,9 @@ def _dequantize_4bit_kernel(
     tl.store(OUT + element, tl.interleave(high, low).to(OUT.dtype.element_ty), mask=element < n_elements)
 
 
-# (quant type, device) → the 16 values, as bitsandbytes dequantizes each code there; filled at a device's first
-# call, which CUDA graph trees run eagerly before they record
+# (quant type, device) → the 16 values. Made before a graph that reads them compiles (lowering/cuda.py: prepare):
+# made at its first call, inside a CUDA graph tree's warm-up, a table would sit in the tree's memory pool, where
+# every live tensor must be a graph output
 _values = {}
 
 
@@ -70,11 +73,14 @@ def dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, a
     if n_elements == 0:
         return out
     nested = absmax_8bit is not None
-    block = 32768 if layout.platform(packed) == "cpu" else 1024
+    # 512 bytes a program in 4 warps: the fastest of 512–4096 bytes in 2–8 warps on the H200
+    # (benchmarks/RESULTS.md); the interpreter pays per program, not per element
+    block = 32768 if layout.platform(packed) == "cpu" else 512
     _dequantize_4bit_kernel[(layout.cdiv(layout.cdiv(n_elements, 2), block),)](
         packed.reshape(-1), quant_values(quant_type, packed.device), absmax.reshape(-1),
         absmax_8bit.reshape(-1) if nested else absmax, absmax_code if nested else absmax,
-        absmax_offset.reshape(-1) if nested else absmax, out, n_elements, blocksize,
+        absmax_offset.reshape(-1) if nested else absmax, out, n_elements, BLOCKSIZE=blocksize,
         NESTED=nested, NESTED_BLOCK=NESTED_BLOCKSIZE, BLOCK=block, num_warps=layout.num_warps(packed, 4),
+        enable_fp_fusion=False,  # a nested absmax's multiply and add rounded apart, as bitsandbytes rounds them
     )
     return out

@@ -9,6 +9,7 @@ import os
 import torch
 
 from graphopt.lowering import ops
+from graphopt.passes.match import value
 from graphopt.kernels import (cross_entropy, dequantize_4bit, gated_activation, linear_logprobs, lora,
                               packed_attention, padded_attention, reference, rmsnorm, rope)
 
@@ -279,6 +280,17 @@ def _turn_on() -> None:
     _reserved_before = torch.cuda.memory_reserved() if torch.cuda.is_initialized() else 0
     setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     setting("expandable_segments:True")
+
+
+def prepare(gm: torch.fx.GraphModule):
+    """Before a graph compiles for CUDA: the allocator (prefer_expandable_segments, whose note it returns), and
+    the 16-value table each 4-bit op of the graph reads, made now, outside any CUDA graph tree's memory pool
+    (kernels/dequantize_4bit.py: quant_values)."""
+    if torch.cuda.is_available():
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops.graphopt.lora_linear_4bit.default):
+            packed, quant_type = node.args[1], node.args[5]
+            dequantize_4bit.quant_values(quant_type, value(packed).device)
+    return prefer_expandable_segments()
 
 
 def prefer_expandable_segments():

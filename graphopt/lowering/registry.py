@@ -37,7 +37,7 @@ class Lowering:
     # graphopt op → fn(its tensor inputs as it runs them, autocast applied: Running) → the text when it is not the
     # usual implementation's (None when it is): the report names what actually runs
     variants: dict = field(default_factory=dict)
-    # run before a graph compiles for the target: sets up the device, returns a note for the report (or None)
+    # fn(the graph) run before it compiles for the target: sets up the device, returns a note for the report (or None)
     prepare: object = None
     # graph call → the function it is traced as on the meta device (graphopt explain): as the target runs it,
     # where the meta device would take another form (SDPA's math form on meta, a fused kernel on a GPU)
@@ -51,7 +51,7 @@ def lowering_for(target: str) -> Lowering:
                                             "not yet measured on AMD GPUs")
         return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda",
-                        prepare=cuda.prefer_expandable_segments if target == "cuda" else None,
+                        prepare=cuda.prepare if target == "cuda" else None,
                         meta_stand_ins=dict(cuda.META_STAND_INS),
                         variants={torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
                                   torch.ops.graphopt.lora_linear_4bit.default: cuda.lora_4bit_variant,

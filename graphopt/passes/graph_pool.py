@@ -9,16 +9,23 @@ writes over. Two kinds of output routinely outlive a step:
 - the loss: training loops keep it, or a list of them, to log every N steps.
 
 So the partitioned graphs route the gradients of the leaf tensors (the trainable parameters) and the scalar
-outputs (the loss) through graphopt::copy_out_of_graph_pool, an op CUDA graphs may not capture: it runs right
-after the graph, and its copies are ordinary allocations. For LoRA the gradients are the adapters' (1B shape:
-45 MiB) and the copy is a few multi-tensor launches. Other outputs (the logits with keep_logits, the KV cache)
-stay in the pool: reading one after the next step raises torch's error, which names the fix (clone it).
+outputs (the loss) through graphopt::copy_out_of_graph_pool, an op CUDA graphs may not capture: it runs between
+the captured parts (Inductor's graph partitions), and its copies are ordinary allocations. For LoRA the
+gradients are the adapters' (1B shape: 45 MiB, 8B: 160 MiB). The backward copies them out in groups as it
+computes them, each group right after its last gradient, about GRADIENT_GROUPS of them: copied at the end, every
+gradient would be in the pool at once, and the pool keeps what it reserved for them (its small blocks, since an
+adapter's gradient is under 1 MiB) beside the copies, 160 MiB more reserved at the 8B shape; in groups it holds
+one group's, for a graph launch and a multi-tensor copy more per group. Other outputs (the logits with
+keep_logits, the KV cache) stay in the pool: reading one after the next step raises torch's error, which names
+the fix (clone it).
 """
 
 import operator
 
 import torch
 from torch.fx import GraphModule
+
+GRADIENT_GROUPS = 32  # about a layer's adapters a group at the Llama-3-8B shape (32 layers)
 
 
 def copy_out_of_graph_pool(forward: GraphModule, backward: GraphModule, num_fwd_outputs: int,
@@ -35,7 +42,7 @@ def copy_out_of_graph_pool(forward: GraphModule, backward: GraphModule, num_fwd_
                              f"pool; compile with options={{'cuda_graphs': False}} and report this graph")
     wanted = set(range(num_primals)) if leaf_inputs is None else set(leaf_inputs)
     copied = [i for i in sorted(wanted) if isinstance(grads[i], torch.fx.Node)]
-    return _route(forward, scalars) + _route(backward, copied)
+    return _route(forward, scalars) + sum(_route(backward, group) for group in _as_computed(backward, copied))
 
 
 def _outputs(gm):
@@ -47,14 +54,41 @@ def _is_scalar(node):
     return isinstance(value, torch.Tensor) and value.dim() == 0
 
 
+def _as_computed(gm, indices) -> list:
+    """The output indices in groups of about 1/GRADIENT_GROUPS of their bytes, in the order the graph computes
+    them."""
+    values = _outputs(gm)
+    position = {node: k for k, node in enumerate(gm.graph.nodes)}
+    indices = sorted(indices, key=lambda i: position[values[i]])
+    nbytes = {i: _nbytes(values[i]) for i in indices}
+    share = sum(nbytes.values()) / GRADIENT_GROUPS
+    groups, group, size = [], [], 0
+    for i in indices:
+        group.append(i)
+        size += nbytes[i]
+        if size >= share:
+            groups.append(group)
+            group, size = [], 0
+    return groups + [group] * bool(group)
+
+
+def _nbytes(node):
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
 def _route(gm, indices) -> int:
-    """Replace the outputs at indices by their copies, made by one graphopt::copy_out_of_graph_pool call."""
+    """Replace the outputs at indices by their copies, made by one graphopt::copy_out_of_graph_pool call right
+    after the last of them is computed."""
     if not indices:
         return 0
     output = gm.graph.output_node()
     values = _outputs(gm)
     sources = [values[i] for i in indices]
-    with gm.graph.inserting_before(output):
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    last = max(sources + placeholders[-1:], key=nodes.index)
+    with gm.graph.inserting_before(last.next):
         copies = gm.graph.call_function(torch.ops.graphopt.copy_out_of_graph_pool.default, (sources,))
         copies.meta["val"] = [s.meta["val"] for s in sources]
         for k, (i, source) in enumerate(zip(indices, sources)):
