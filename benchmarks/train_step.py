@@ -288,11 +288,12 @@ def train_step(forward, optimizer, batch, autocast=None):
 
 def batch_of_a_new_length(batches):
     """The batch of most positions cut to the longest length no batch has (padded or packed: its rows cut short, so
-    its last documents lose their tails)."""
+    its last documents lose their tails), contiguous as a collator's: a view's strides would be a new guard for
+    Dynamo, and the step a recompile rather than a new length."""
     met = {b["input_ids"].shape[1] for b in batches}
     longest = max(batches, key=lambda b: b["input_ids"].shape[1])
     length = max(n for n in range(1, longest["input_ids"].shape[1]) if n not in met)
-    return {name: t[:, :length] for name, t in longest.items()}
+    return {name: t[:, :length].contiguous() for name, t in longest.items()}
 
 
 def synchronize(device):
