@@ -2,12 +2,15 @@
 trainable parameters' gradients and the loss are copied out of the graphs' memory pool, so gradient accumulation
 and a kept loss read what they would read without CUDA graphs."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 from torch._inductor.cudagraph_trees import get_manager
+from torch._inductor.utils import run_and_get_code
 
 import graphopt
 from graphopt import pipeline
@@ -97,14 +100,22 @@ def test_gradients_and_loss_are_routed_through_the_copy(fresh_dynamo, monkeypatc
     batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     expected_losses, expected = accumulated(model, model, batches)
     compiled = torch.compile(model, backend="graphopt", options={"cuda_graphs": True})
-    losses, grads = accumulated(compiled, model, batches)
+    (losses, grads), (_, backward_code) = run_and_get_code(accumulated, compiled, model, batches)
 
     trainable = sum(p.requires_grad for p in model.parameters())
     assert routed == [1 + trainable]
-    copies = backwards[0].graph.find_nodes(op="call_function", target=torch.ops.graphopt.copy_out_of_graph_pool.default)
+    copy = torch.ops.graphopt.copy_out_of_graph_pool.default
+    copies = backwards[0].graph.find_nodes(op="call_function", target=copy)
     assert 1 < len(copies) <= graph_pool.GRADIENT_GROUPS + 1
     assert sum(len(c.args[0]) for c in copies) == trainable
     assert all(c.prev in c.args[0] for c in copies)
+    # and Inductor's code keeps them there: computation between every two copies (on a GPU its reordering for
+    # fewer graph partitions would move them to the end; graphopt turns it off, which only a GPU run shows)
+    lines = backward_code.splitlines()
+    calls = [i for i, line in enumerate(lines) if f"= torch.ops.{copy}(" in line]
+    assert len(calls) == len(copies)
+    kernel = re.compile(r"cpp_fused|extern_kernels|torch\.ops\.graphopt\.(?!copy_out_of_graph_pool)")
+    assert all(any(kernel.search(line) for line in lines[a:b]) for a, b in zip(calls, calls[1:]))
     assert graphopt.last_report().cuda_graphs == {"on": True, "why": "cuda_graphs=True"}
     assert all(relative_error(torch.tensor(a), torch.tensor(b)) <= 1e-5 for a, b in zip(losses, expected_losses))
     assert all(relative_error(grads[n], expected[n]) <= 1e-5 for n in expected)
