@@ -15,10 +15,11 @@ from graphopt.pipeline import compile_graph
 # transformers logs from inside model forwards through logger.warning_once (from 5.25, "use_cache=True is
 # incompatible with gradient checkpointing" in every forward under gradient checkpointing). Dynamo cannot trace a
 # Logger method: it gives up on the whole forward, which then runs eagerly, nothing compiled or fused. The calls
-# only log, so Dynamo skips them in what it traces (the message is then not printed).
-for _name in ("warning_once", "info_once", "warning_advice"):
-    if hasattr(logging.Logger, _name):
-        torch._dynamo.config.ignore_logging_functions.add(getattr(logging.Logger, _name))
+# only log, so Dynamo skips them in what it traces (the message is then not printed). warning_once alone: torch
+# 2.11 sorts this set when it logs each compile's metrics, and two functions cannot be sorted (an error logged at
+# every compile); transformers' forwards call no other Logger method of its own.
+if hasattr(logging.Logger, "warning_once"):
+    torch._dynamo.config.ignore_logging_functions.add(logging.Logger.warning_once)
 # Under HF gradient checkpointing each decoder layer's forward runs inside torch.utils.checkpoint, and from
 # transformers 5.25 (with its `kernels` dependency) that forward sets and resets a context variable on a global
 # object. Dynamo refuses a side effect inside a checkpointed region unless told it need not be replayed when the
