@@ -44,7 +44,7 @@ def copy_out_of_graph_pool(forward: GraphModule, backward: GraphModule, num_fwd_
                              f"pool; compile with options={{'cuda_graphs': False}} and report this graph")
     wanted = set(range(num_primals)) if leaf_inputs is None else set(leaf_inputs)
     copied = [i for i in sorted(wanted) if isinstance(grads[i], torch.fx.Node)]
-    return _route(forward, scalars) + sum(_route(backward, group) for group in _as_computed(backward, copied))
+    return _route(forward, [scalars]) + _route(backward, _as_computed(backward, copied))
 
 
 def _outputs(gm):
@@ -79,24 +79,26 @@ def _nbytes(node):
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def _route(gm, indices) -> int:
-    """Replace the outputs at indices by their copies, made by one graphopt::copy_out_of_graph_pool call right
-    after the last of them is computed."""
-    if not indices:
+def _route(gm, groups) -> int:
+    """Replace the outputs at each group's indices by their copies, one graphopt::copy_out_of_graph_pool call a
+    group, right after the last of them is computed; return how many outputs are copied."""
+    groups = [group for group in groups if group]
+    if not groups:
         return 0
     output = gm.graph.output_node()
     values = _outputs(gm)
-    sources = [values[i] for i in indices]
-    nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    last = max(sources + placeholders[-1:], key=nodes.index)
-    with gm.graph.inserting_before(last.next):
-        copies = gm.graph.call_function(torch.ops.graphopt.copy_out_of_graph_pool.default, (sources,))
-        copies.meta["val"] = [s.meta["val"] for s in sources]
-        for k, (i, source) in enumerate(zip(indices, sources)):
-            item = gm.graph.call_function(operator.getitem, (copies, k))
-            item.meta = dict(source.meta)
-            values[i] = item
+    position = {node: k for k, node in enumerate(gm.graph.nodes)}
+    last_placeholder = [n for n in gm.graph.nodes if n.op == "placeholder"][-1:]
+    for indices in groups:
+        sources = [values[i] for i in indices]
+        last = max(sources + last_placeholder, key=position.get)
+        with gm.graph.inserting_before(last.next):
+            copies = gm.graph.call_function(torch.ops.graphopt.copy_out_of_graph_pool.default, (sources,))
+            copies.meta["val"] = [s.meta["val"] for s in sources]
+            for k, (i, source) in enumerate(zip(indices, sources)):
+                item = gm.graph.call_function(operator.getitem, (copies, k))
+                item.meta = dict(source.meta)
+                values[i] = item
     output.args = (type(output.args[0])(values),) + tuple(output.args[1:])
     gm.recompile()
-    return len(indices)
+    return sum(len(group) for group in groups)
