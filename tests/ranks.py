@@ -1,11 +1,13 @@
 """Running a test's work in several processes, each a rank of one gloo process group (tests/test_distributed*.py)."""
 
+import faulthandler
 import os
 import tempfile
 import time
 
 import pytest
 import torch
+import torch._inductor.config
 import torch.multiprocessing as mp
 
 WORLD = 2
@@ -15,7 +17,12 @@ IDS = torch.randint(0, 128, (2 * WORLD, 16), generator=torch.Generator().manual_
 
 
 def init_rank(rank, init):
-    """Join the process group as a launcher would set rank `rank` up."""
+    """Join the process group as a launcher would set rank `rank` up. Inductor compiles in the rank's own process:
+    its pool of compile workers is a known cause of distributed processes hanging at exit (PyTorch's own
+    distributed Inductor tests turn it off the same way). Each rank prints its threads' stacks shortly before
+    spawn's deadline, so a hang says where it is."""
+    torch._inductor.config.compile_threads = 1
+    faulthandler.dump_traceback_later(TIMEOUT_S - 30, exit=False)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
 
