@@ -1,7 +1,7 @@
 """TRL's chunked log-prob head (trl/kernels/chunked_logprob.py) as graphopt::linear_logprobs: the op against an fp64
 computation and against TRL's own Function (hypothesis), its contract (opcheck, gradcheck, errors), the logits never
 whole, the Triton kernels under the interpreter, the pass on the graph Dynamo hands over (fusion, misses), and
-TRL's SFTTrainer and DPOTrainer on a model compiled by graphopt against the same trainers uncompiled."""
+TRL's SFT, DPO, KTO and GRPO trainers on a model compiled by graphopt against the same trainers uncompiled."""
 
 import json
 from pathlib import Path
@@ -413,8 +413,9 @@ def test_byte_tokenizer_maps_bytes_to_ids():
     assert tokenizer.decode(ids[:-1]) == text
 
 
-def train(trainer_cls, config_cls, data, tmp_path, compiled, bf16, layers):
-    """(log history, final adapters, reports compiled) of two optimizer steps of a TRL trainer."""
+def train(trainer_cls, config_cls, data, tmp_path, compiled, bf16, layers, config=(), trainer=()):
+    """(log history, final adapters, reports compiled) of two optimizer steps of a TRL trainer; config and trainer:
+    more arguments of the config and of the trainer."""
     model = tiny_lora_model("llama", vocab_size=VOCAB, num_hidden_layers=layers)
     torch._dynamo.reset()
     before = len(graphopt.reports())
@@ -425,11 +426,12 @@ def train(trainer_cls, config_cls, data, tmp_path, compiled, bf16, layers):
     args = config_cls(str(tmp_path / ("compiled" if compiled else "eager")), use_cpu=True, bf16=bf16, seed=0,
                       data_seed=0, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2,
                       learning_rate=2e-3, max_grad_norm=1.0, logging_steps=1, report_to=[], disable_tqdm=True,
-                      gradient_checkpointing=False)
-    trainer = trainer_cls(model=model, args=args, train_dataset=data, processing_class=byte_tokenizer())
-    trainer.train()
+                      gradient_checkpointing=False, **dict(config))
+    trained = trainer_cls(model=model, args=args, train_dataset=data, processing_class=byte_tokenizer(),
+                          **dict(trainer))
+    trained.train()
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return trainer.state.log_history, adapters, graphopt.reports()[before:]
+    return trained.state.log_history, adapters, graphopt.reports()[before:]
 
 
 def logged(history, key):
@@ -469,3 +471,27 @@ def test_dpo_trainer_matches_the_uncompiled_trainer(tmp_path, bf16):
     runs = [train(trl.DPOTrainer, trl.DPOConfig, data, tmp_path, compiled, bf16, layers=1) for compiled in (0, 1)]
     reports = assert_same_training(*runs, ("loss", "grad_norm", "logps/chosen", "logps/rejected"), bf16)
     assert len(reports) == 4
+
+
+def test_kto_trainer_matches_the_uncompiled_trainer(tmp_path):
+    """KTO on the preference set unpaired: the policy's forward, the KL forward on mismatched pairs (no gradients)
+    and the reference's through the frozen "ref" adapter TRL adds beside the trained one. The second step's rewards
+    differ from zero only through that adapter: equal to eager, the compiled model followed PEFT's adapter switch."""
+    rows = json.loads(PREFERENCES.read_text())
+    data = datasets.Dataset.from_list([{"prompt": row["prompt"], "completion": row[kind], "label": kind == "chosen"}
+                                       for row in rows for kind in ("chosen", "rejected")])
+    runs = [train(trl.KTOTrainer, trl.KTOConfig, data, tmp_path, compiled, False, layers=1) for compiled in (0, 1)]
+    assert_same_training(*runs, ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen"), False)
+    assert logged(runs[1][0], "rewards/chosen")[1] != 0
+
+
+def test_grpo_trainer_matches_the_uncompiled_trainer(tmp_path):
+    """GRPO on the preference set's prompts, rewarded by completion length: completions are sampled through
+    `generate` (eager, the same draws in both runs), their log-probs through the compiled forward."""
+    rows = json.loads(PREFERENCES.read_text())
+    data = datasets.Dataset.from_list([{"prompt": row["prompt"]} for row in rows])
+    runs = [train(trl.GRPOTrainer, trl.GRPOConfig, data, tmp_path, compiled, False, layers=1,
+                  config=dict(num_generations=4, max_completion_length=8),
+                  trainer=dict(reward_funcs=lambda completions, **_: [float(len(c)) for c in completions]))
+            for compiled in (0, 1)]
+    assert_same_training(*runs, ("loss", "grad_norm", "reward"), False)
