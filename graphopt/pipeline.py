@@ -8,7 +8,7 @@
                 and the cache policy: the returned KV cache is detached unless cache_grad         passes/detach_cache.py
   4. autograd   aot_autograd traces forward + backward; each graphopt op brings its own backward op
   5. partition  what the backward saves, recomputes or offloads, under memory_budget  passes/recompute.py
-                and its peak memory estimate                             passes/offload.py, passes/memory.py
+                what it offloads, and its peak memory estimate           passes/offload.py; passes/memory.py
                 under CUDA graphs, the gradients and the loss leave the graphs' pool  passes/graph_pool.py
                 (with options.plan, 4–6 come from the plan directory's caches, the decision from its plan.json)
   6. lower      each graphopt op → the target's implementation; the rest → Inductor (or eager)   lowering/

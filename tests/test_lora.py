@@ -187,10 +187,10 @@ def test_every_common_rank_runs_on_the_gpu(r, dtype):
 
 
 def test_backward_is_four_triton_launches(monkeypatch):
-    """The H200's step is partly launch-bound, and the LoRA backward launched the most kernels (about ten a call):
-    now x·Aᵀ and dY·B share one launch, dA's and dB's partial sums one, their sum one, and dX's low-rank term one,
-    besides cuBLAS's dY·W. Several splits, both products' column blocks and a rank below 16 are in play; the
-    gradients are two tensors, not views of one buffer (a custom op's outputs may not alias)."""
+    """The H200's step is partly launch-bound, so the LoRA backward takes few launches: x·Aᵀ and dY·B share one,
+    dA's and dB's partial sums one, their sum one, and dX's low-rank term one, besides cuBLAS's dY·W. Several
+    splits, both products' column blocks and a rank below 16 are in play; the gradients are two tensors,
+    not views of one buffer (a custom op's outputs may not alias)."""
     from graphopt.kernels import lora, reference
 
     launched = []

@@ -677,8 +677,8 @@ def _reload_fake(token, shape, dtype, device, prefetch):
 
 # --- copy_out_of_graph_pool: graph outputs that outlive a step, under CUDA graphs (passes/graph_pool.py) -----
 
-# cudagraph_unsafe: it must run after the CUDA graph, so that its copies are ordinary allocations, not the graph's
-# pool, which the next replay writes over.
+# cudagraph_unsafe: it runs between the captured partitions, so that its copies are ordinary allocations, not the
+# graphs' pool, which the next replay writes over.
 @torch.library.custom_op("graphopt::copy_out_of_graph_pool", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def copy_out_of_graph_pool(xs: list[Tensor]) -> list[Tensor]:
     """A copy of each tensor, in as few launches as torch's multi-tensor kernels take (×1 is exact: -0.0, inf and
