@@ -1,7 +1,7 @@
 """TRL's chunked log-prob head (trl/kernels/chunked_logprob.py) as graphopt::linear_logprobs: the op against an fp64
 computation and against TRL's own Function (hypothesis), its contract (opcheck, gradcheck, errors), the logits never
 whole, the Triton kernels under the interpreter, the pass on the graph Dynamo hands over (fusion, misses), and
-TRL's SFT, DPO, KTO, GRPO and RLOO trainers on a model compiled by graphopt against the same trainers uncompiled."""
+TRL's SFT (padded and packed), DPO, KTO, GRPO and RLOO trainers on a model compiled by graphopt against the same trainers uncompiled."""
 
 import json
 from pathlib import Path
@@ -461,6 +461,16 @@ def test_sft_trainer_matches_the_uncompiled_trainer(tmp_path, bf16):
     keys = ("loss", "grad_norm", "entropy") + (() if bf16 else ("mean_token_accuracy",))  # bf16: near ties flip
     reports = assert_same_training(*runs, keys, bf16)
     assert len(reports) == 2 and all(report.summary()["lora"] == 14 for report in reports)
+
+
+def test_sft_trainer_with_packing_matches_the_uncompiled_trainer(tmp_path):
+    """SFTConfig(packing=True): documents packed into rows of max_length, padding-free (position_ids restart per
+    document), so attention is graphopt::packed_attention; loss, grad_norm and adapters as uncompiled, fp32."""
+    data = datasets.Dataset.from_list([{"text": bytes(row["input_ids"]).decode()} for row in sentences()[:32]])
+    runs = [train(trl.SFTTrainer, trl.SFTConfig, data, tmp_path, compiled, False, layers=1,
+                  config=dict(packing=True, max_length=128)) for compiled in (0, 1)]
+    reports = assert_same_training(*runs, ("loss", "grad_norm"), False)
+    assert all(report.summary().get("attention_packed") == 1 for report in reports)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16=True"])
