@@ -1,7 +1,8 @@
 """TRL's chunked log-prob head (trl/kernels/chunked_logprob.py) as graphopt::linear_logprobs: the op against an fp64
 computation and against TRL's own Function (hypothesis), its contract (opcheck, gradcheck, errors), the logits never
 whole, the Triton kernels under the interpreter, the pass on the graph Dynamo hands over (fusion, misses), and
-TRL's SFT (padded and packed), DPO, KTO, GRPO and RLOO trainers on a model compiled by graphopt against the same trainers uncompiled."""
+TRL's SFT (padded and packed), DPO, KTO, GRPO and RLOO trainers on a model compiled by graphopt against the same
+trainers uncompiled."""
 
 import json
 from pathlib import Path
