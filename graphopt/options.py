@@ -16,7 +16,8 @@ class OptionError(ValueError):
 # The default sizes the plan to the model: the fastest plan whose estimated peak fits 2.75× the parameters' bytes
 # (passes/recompute.py WEIGHTS_MULTIPLE). No fixed budget serves every shape: on the H200 under CUDA graphs 0.6 is
 # 1.34× inductor in 1.94× Unsloth's memory at the Llama-3.2-1B shape, but at Llama-3-8B's it recomputes what that
-# GPU has room to keep (13.2k tokens/s against budget 1's 15.7k; benchmarks/RESULTS.md, 2026-12-01: CUDA graphs by default).
+# GPU has room to keep (13.2k tokens/s against budget 1's 15.7k; benchmarks/RESULTS.md, 2026-12-01: CUDA graphs by
+# default).
 DEFAULT_MEMORY_BUDGET = "auto"
 
 

@@ -42,9 +42,10 @@ def test_a_result_line_names_the_hosts_link_where_it_was_measured():
     assert train_step.describe(result).endswith("; host: pinned copies 51 GiB/s to it, 50 back, 6.4 µs a launch")
     off_cuda = {**result, "host_link_gib_s": None, "launch_us": None}
     assert train_step.describe(off_cuda).endswith("loss 12.1800 -> 11.8000")
-    older = {k: v for k, v in result.items() if k not in ("host_link_gib_s", "launch_us")}  # results without the host probes
+    # results recorded without the host probes, then with the link probe only
+    older = {k: v for k, v in result.items() if k not in ("host_link_gib_s", "launch_us")}
     assert train_step.describe(older) == train_step.describe(off_cuda)
-    link_only = {k: v for k, v in result.items() if k != "launch_us"}  # results with the link probe only
+    link_only = {k: v for k, v in result.items() if k != "launch_us"}
     assert train_step.describe(link_only).endswith("; host: pinned copies 51 GiB/s to it, 50 back")
 
 

@@ -396,6 +396,16 @@ def test_other_trl_releases_are_not_exposed_and_say_so(monkeypatch):
 PREFERENCES = Path(__file__).parent / "data" / "preferences.json"  # prompt / chosen / rejected triples
 
 
+def preferences():
+    """The preference set's rows: prompt, chosen, rejected."""
+    return json.loads(PREFERENCES.read_text())
+
+
+def demo_texts(count):
+    """The first `count` sentences of the demo text, as an SFT dataset."""
+    return datasets.Dataset.from_list([{"text": bytes(row["input_ids"]).decode()} for row in sentences()[:count]])
+
+
 def byte_tokenizer():
     """A tokenizer over the 256 byte values (token id = byte), built here (no download): GPT-2's byte-level
     pre-tokenizer and a BPE model without merges. Byte 0 pads, byte 3 (end of text) ends a sequence."""
@@ -414,7 +424,7 @@ def test_byte_tokenizer_maps_bytes_to_ids():
     assert tokenizer.decode(ids[:-1]) == text
 
 
-def train(trainer_cls, config_cls, data, tmp_path, compiled, bf16, layers, config=(), trainer=()):
+def train(trainer_cls, config_cls, data, tmp_path, compiled, bf16, layers, config=None, trainer=None):
     """(log history, final adapters, reports compiled) of two optimizer steps of a TRL trainer; config and trainer:
     more arguments of the config and of the trainer."""
     model = tiny_lora_model("llama", vocab_size=VOCAB, num_hidden_layers=layers)
@@ -427,9 +437,9 @@ def train(trainer_cls, config_cls, data, tmp_path, compiled, bf16, layers, confi
     args = config_cls(str(tmp_path / ("compiled" if compiled else "eager")), use_cpu=True, bf16=bf16, seed=0,
                       data_seed=0, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2,
                       learning_rate=2e-3, max_grad_norm=1.0, logging_steps=1, report_to=[], disable_tqdm=True,
-                      gradient_checkpointing=False, **dict(config))
+                      gradient_checkpointing=False, **(config or {}))
     trained = trainer_cls(model=model, args=args, train_dataset=data, processing_class=byte_tokenizer(),
-                          **dict(trainer))
+                          **(trainer or {}))
     trained.train()
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return trained.state.log_history, adapters, graphopt.reports()[before:]
@@ -457,7 +467,7 @@ def test_sft_trainer_matches_the_uncompiled_trainer(tmp_path, bf16):
     """SFT on the demo text: batches padded to their own length (the first compiles static, the next dynamic),
     gradient accumulation 2; per-step loss, grad_norm, entropy and token accuracy (TRL's head computes the last
     two), and the final adapters."""
-    data = datasets.Dataset.from_list([{"text": bytes(row["input_ids"]).decode()} for row in sentences()[:16]])
+    data = demo_texts(16)
     runs = [train(trl.SFTTrainer, trl.SFTConfig, data, tmp_path, compiled, bf16, layers=2) for compiled in (0, 1)]
     keys = ("loss", "grad_norm", "entropy") + (() if bf16 else ("mean_token_accuracy",))  # bf16: near ties flip
     reports = assert_same_training(*runs, keys, bf16)
@@ -467,7 +477,7 @@ def test_sft_trainer_matches_the_uncompiled_trainer(tmp_path, bf16):
 def test_sft_trainer_with_packing_matches_the_uncompiled_trainer(tmp_path):
     """SFTConfig(packing=True): documents packed into rows of max_length, padding-free (position_ids restart per
     document), so attention is graphopt::packed_attention; loss, grad_norm and adapters as uncompiled, fp32."""
-    data = datasets.Dataset.from_list([{"text": bytes(row["input_ids"]).decode()} for row in sentences()[:32]])
+    data = demo_texts(32)
     runs = [train(trl.SFTTrainer, trl.SFTConfig, data, tmp_path, compiled, False, layers=1,
                   config=dict(packing=True, max_length=128)) for compiled in (0, 1)]
     reports = assert_same_training(*runs, ("loss", "grad_norm"), False)
@@ -478,7 +488,7 @@ def test_sft_trainer_with_packing_matches_the_uncompiled_trainer(tmp_path):
 def test_dpo_trainer_matches_the_uncompiled_trainer(tmp_path, bf16):
     """DPO on tests/data/preferences.json: the policy's forward and the reference's (adapters off, no gradients)
     each compile static, then dynamic. One decoder layer: four compiles are the test's time."""
-    data = datasets.Dataset.from_list(json.loads(PREFERENCES.read_text()))
+    data = datasets.Dataset.from_list(preferences())
     runs = [train(trl.DPOTrainer, trl.DPOConfig, data, tmp_path, compiled, bf16, layers=1) for compiled in (0, 1)]
     reports = assert_same_training(*runs, ("loss", "grad_norm", "logps/chosen", "logps/rejected"), bf16)
     assert len(reports) == 4
@@ -488,9 +498,8 @@ def test_kto_trainer_matches_the_uncompiled_trainer(tmp_path):
     """KTO on the preference set unpaired: the policy's forward, the KL forward on mismatched pairs (no gradients)
     and the reference's through the frozen "ref" adapter TRL adds beside the trained one. The second step's rewards
     differ from zero only through that adapter: equal to eager, the compiled model followed PEFT's adapter switch."""
-    rows = json.loads(PREFERENCES.read_text())
     data = datasets.Dataset.from_list([{"prompt": row["prompt"], "completion": row[kind], "label": kind == "chosen"}
-                                       for row in rows for kind in ("chosen", "rejected")])
+                                       for row in preferences() for kind in ("chosen", "rejected")])
     runs = [train(trl.KTOTrainer, trl.KTOConfig, data, tmp_path, compiled, False, layers=1) for compiled in (0, 1)]
     assert_same_training(*runs, ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen"), False)
     assert logged(runs[1][0], "rewards/chosen")[1] != 0
@@ -505,8 +514,7 @@ def test_online_trainers_match_the_uncompiled_trainer(tmp_path, trainer_cls, con
     advantages sum to zero over a prompt's completions: its logged loss is zero up to rounding (so not compared)
     and some gradient components are at rounding level, which AdamW would scale to full-size steps (adapters 2e-5
     apart); SGD keeps the comparison at fp32's tolerance."""
-    rows = json.loads(PREFERENCES.read_text())
-    data = datasets.Dataset.from_list([{"prompt": row["prompt"]} for row in rows])
+    data = datasets.Dataset.from_list([{"prompt": row["prompt"]} for row in preferences()])
     runs = [train(trainer_cls, config_cls, data, tmp_path, compiled, False, layers=1,
                   config=dict(num_generations=4, max_completion_length=8, optim="sgd"),
                   trainer=dict(reward_funcs=lambda completions, **_: [float(len(c)) for c in completions]))

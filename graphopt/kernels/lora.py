@@ -186,8 +186,8 @@ def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, st
 PRECISION = {"cuda": "tf32x3", "cdna": "bf16x6", "rdna": "bf16x6", "cpu": "ieee"}
 
 # Launch configurations per platform (kernels/layout.py). CUDA: benchmarks/lora_configs.py on the H200 at the
-# Llama-3.2-1B and Llama-3-8B shapes (benchmarks/RESULTS.md, 2026-12-01: CUDA graphs by default): project and reduce_rows the configs
-# in the top two at both shapes (project: BLOCK_K 128 over 64, −10% at 8B, −20% at 1B; reduce_rows: BLOCK_M 32,
+# Llama-3.2-1B and Llama-3-8B shapes (benchmarks/RESULTS.md, 2026-12-01: CUDA graphs by default): project and
+# reduce_rows the configs in the top two at both shapes (project: BLOCK_K 128 over 64, −10% at 8B, −20% at 1B; reduce_rows: BLOCK_M 32,
 # −25% at 1B, −47% at 8B); add_low_rank and sum_splits within the sweep's noise of the best. AMD, CDNA (MI300
 # gfx942, MI250 gfx90a) and RDNA (gfx1100): CUDA's blocks under two rules, not measured (there is no AMD hardware
 # to tune on); compiled for gfx942, gfx90a and gfx1100 in CI (tests/test_aot.py). 1: the threads per program

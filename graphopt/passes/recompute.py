@@ -51,9 +51,9 @@ UNSEEN_RESERVE_GIB = 1.25
 # parameters the graph reads. A fixed budget cannot serve every size: at the Llama-3.2-1B shape the activations
 # dominate the peak, and 2× Unsloth's memory (7.30 GiB) is budget ≈0.6 (estimate 6,722 MiB, 2.80× the 2,400 MiB of
 # weights and adapters); at Llama-3-8B's the weights do, and budget 1 (estimate 27,528 MiB, 1.78× its 15,476 MiB)
-# is 1.19× faster than 0.6 at 1.24× the memory (H200, benchmarks/RESULTS.md, 2026-12-01: CUDA graphs by default). 2.75× takes budget
-# 1 where the saved activations are at most about the weights' size, and keeps ~0.5 GiB under 2× Unsloth at 1B
-# for what the estimate does not show (measured − estimated there: +0.5 GiB under CUDA graphs).
+# is 1.19× faster than 0.6 at 1.24× the memory (H200, benchmarks/RESULTS.md, 2026-12-01: CUDA graphs by
+# default). 2.75× takes budget 1 where the saved activations are at most about the weights' size, and keeps ~0.5
+# GiB under 2× Unsloth at 1B for what the estimate does not show (measured − estimated there: +0.5 GiB under CUDA graphs).
 WEIGHTS_MULTIPLE = 2.75
 AUTO_STEPS = 4  # bisection steps of memory_budget="auto" between 0 and 1: a budget within 1/16 of the best
 
