@@ -125,6 +125,9 @@ def _memory_lines(plan) -> list:
                      f"{_bytes_text(offload['bytes'])}" + ("" if offload["copies_made"] else
                                                            " (planned only: the target is the host itself)")
                      + (f"; kept on the device: {kept}" if kept else ""))
+        if offload.get("prefetches_dropped"):
+            lines.append(f"  {offload['prefetches_dropped']} reloads load their tensor unprefetched: each follows "
+                         f"a copy of gradients out of the CUDA graphs' pool, which ends a captured part")
     estimate = saved["estimate"]
     measured = estimate.get("measured_peak_bytes")
     lines.append(f"  estimated peak of the step: {_bytes_text(estimate['estimated_peak_bytes'])} (forward "

@@ -2,6 +2,7 @@
 trainable parameters' gradients and the loss are copied out of the graphs' memory pool, so gradient accumulation
 and a kept loss read what they would read without CUDA graphs."""
 
+import dataclasses
 import re
 
 import pytest
@@ -14,6 +15,7 @@ from torch._inductor.utils import run_and_get_code
 
 import graphopt
 from graphopt import pipeline
+from graphopt.lowering import registry
 from graphopt.lowering.registry import lowering_for
 from graphopt.options import Options, cuda_graphs_decision
 from graphopt.passes import graph_pool, recompute
@@ -117,6 +119,44 @@ def test_gradients_and_loss_are_routed_through_the_copy(fresh_dynamo, monkeypatc
     kernel = re.compile(r"cpp_fused|extern_kernels|torch\.ops\.graphopt\.(?!copy_out_of_graph_pool)")
     assert all(any(kernel.search(line) for line in lines[a:b]) for a, b in zip(calls, calls[1:]))
     assert graphopt.last_report().cuda_graphs == {"on": True, "why": "cuda_graphs=True"}
+    assert all(relative_error(torch.tensor(a), torch.tensor(b)) <= 1e-5 for a, b in zip(losses, expected_losses))
+    assert all(relative_error(grads[n], expected[n]) <= 1e-5 for n in expected)
+
+
+def test_with_offload_no_prefetch_crosses_a_copy_of_gradients(fresh_dynamo, monkeypatch):
+    """The lean mode under CUDA graphs (on the CPU, its copies to host memory forced as on a GPU): each copy of
+    gradients ends a captured partition, and no reload starts a copy that a reload past such an end waits for
+    (an allocation of one partition held outside its outputs, which CUDA graph trees refuse); those reloads load
+    their tensor themselves, the report counts them, and the step equals eager's."""
+    monkeypatch.setattr(pipeline, "check_cuda_graphs", lambda options, target: None)
+    monkeypatch.setattr(registry, "lowering_for",
+                        lambda target: dataclasses.replace(lowering_for(target), offload_copies=True))
+    backwards = []
+    copy = recompute.copy_out_of_graph_pool
+
+    def spy(forward, backward, *args):
+        backwards.append(backward)
+        return copy(forward, backward, *args)
+
+    monkeypatch.setattr(recompute, "copy_out_of_graph_pool", spy)
+    model = tiny_lora_model("llama", num_hidden_layers=6)
+    batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    expected_losses, expected = accumulated(model, model, batches)
+    compiled = torch.compile(model, backend="graphopt", options={**LEAN, "cuda_graphs": True})
+    losses, grads = accumulated(compiled, model, batches)
+
+    partition, reloaded_in, prefetched_in = 0, {}, {}
+    for node in backwards[0].graph.nodes:
+        if node.target is torch.ops.graphopt.copy_out_of_graph_pool.default:
+            partition += 1
+        elif node.target is torch.ops.graphopt.reload.default:
+            reloaded_in[node.args[0]] = partition
+            prefetched_in.update((token, partition) for token in node.args[4])
+    assert partition > 1 and len(reloaded_in) > partition
+    assert prefetched_in and all(reloaded_in[token] == at for token, at in prefetched_in.items())
+    offload = graphopt.last_report().saved_for_backward["offload"]
+    assert 0 < offload["prefetches_dropped"] < offload["tensors"]
+    assert "reloads load their tensor unprefetched" in graphopt.last_report().to_text()
     assert all(relative_error(torch.tensor(a), torch.tensor(b)) <= 1e-5 for a, b in zip(losses, expected_losses))
     assert all(relative_error(grads[n], expected[n]) <= 1e-5 for n in expected)
 

@@ -11,7 +11,8 @@ Each saved activation is either offloaded or kept on the device with a reason th
 Groups are decoder layers (the module path up to the ModuleList index). In the forward, each copy starts right
 after its tensor is written, and the next layer's first offload waits for it (taking the tensor as an input, so
 that Inductor keeps it until then). In the backward, the first reload of a layer starts copying the next layer's
-tensors, so each layer's copies run under the compute of the layer before. A tensor of symbolic shape (a graph
+tensors, so each layer's copies run under the compute of the layer before, except across the end of a part CUDA
+graphs capture (prefetch_within_partitions). A tensor of symbolic shape (a graph
 compiled for every length) is offloaded as any other: its reload takes its sizes from the symbols the backward
 receives; kept only where a size is an expression the backward cannot rebuild from them.
 Whether the copies are made is the target lowering's word (Lowering.offload_copies): on the CPU target the plan is
@@ -178,6 +179,33 @@ def insert_transfers(forward: torch.fx.GraphModule, backward: torch.fx.GraphModu
     backward.graph.lint()
     forward.recompile()
     backward.recompile()
+
+
+def prefetch_within_partitions(backward: torch.fx.GraphModule) -> int:
+    """Under CUDA graphs: a reload starts no copy that a reload beyond the next op CUDA graphs may not capture
+    (a cudagraph_unsafe op, as graph_pool's copies, where Inductor ends a captured partition) would wait for.
+    Such a copy would be an allocation of one partition held past its end outside its outputs, which CUDA graph
+    trees refuse ("not tracked as outputs"), and a side stream its capture never joins. The reload beyond loads
+    its tensor itself (its copy not hidden). Returns how many prefetches are dropped."""
+    partition, of_reload, reloads = 0, {}, []
+    for node in backward.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if torch.Tag.cudagraph_unsafe in getattr(node.target, "tags", ()):
+            partition += 1
+        elif node.target is torch.ops.graphopt.reload.default:
+            of_reload[node.args[0]] = partition
+            reloads.append((node, partition))
+    dropped = 0
+    for node, at in reloads:
+        prefetch = node.args[4]
+        kept = [token for token in prefetch if of_reload.get(token) == at]
+        if len(kept) != len(prefetch):
+            node.args = node.args[:4] + (kept,) + node.args[5:]
+            dropped += len(prefetch) - len(kept)
+    if dropped:
+        backward.recompile()
+    return dropped
 
 
 def _symbol_inputs(backward: torch.fx.GraphModule) -> dict:

@@ -110,6 +110,8 @@ class Partitioner(CustomPartitionerFn):
             leaves = ([i for i, leaf in enumerate(self.leaf_inputs) if leaf] if len(self.leaf_inputs) == primals
                       else None)
             copy_out_of_graph_pool(forward, backward, kwargs["num_fwd_outputs"], primals, leaves)
+            if plan is not None and plan.moves_data:
+                decision["offload"]["prefetches_dropped"] = offload_pass.prefetch_within_partitions(backward)
         if self.memory_budget == "auto":
             by_weights, limit = self.max_memory_gib is None, self._limit()
             decision["auto"] = {"max_memory_gib": self.max_memory_gib,
