@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import KernelInterface
 
 from graphopt.kernels import (cross_entropy, dequantize_4bit, gated_activation, layout, linear_logprobs, lora,
-                              rmsnorm, rope)
+                              padded_attention, rmsnorm, rope)
 
 # SMs or CUs of each target's GPU: H100/H200, A100, MI300X, one MI250X die (ROCm shows each as a GPU), RX 7900 XTX
 MULTIPROCESSORS = {"90": 132, "80": 108, "gfx942": 304, "gfx90a": 110, "gfx1100": 96}
@@ -81,6 +81,13 @@ def run_launch_functions(multiprocessors):
         cos, sin = randn(1, 32, 64, dtype=dtype), randn(1, 32, 64, dtype=dtype)
         rope.rope_forward(q, k, cos, sin)
         rope.rope_backward(q, k, cos, sin)
+        # padded attention's token reordering (the flash kernels are aten's), both ways, padding zeroed or not
+        keep = torch.arange(32)[None, :] < torch.tensor([[32], [20]])
+        order, _ = padded_attention._sequences(keep)
+        flat = padded_attention._flat(q, order, keep)
+        padded_attention._unflat(flat, order, None, 2, 32)
+        padded_attention._flat(k, order)
+        padded_attention._unflat(flat, order, keep, 2, 32)
         lora_a, lora_b = randn(16, 256, dtype=torch.float32), randn(512, 16, dtype=torch.float32)
         weight = randn(512, 256, dtype=dtype)
         lora.lora_linear_forward(randn(64, 256, dtype=dtype), weight, None, lora_a, lora_b, 2.0, dtype)

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from aot_compile import MULTIPROCESSORS
-from graphopt.kernels import cross_entropy, dequantize_4bit, gated_activation, linear_logprobs, lora, rmsnorm, rope
+from graphopt.kernels import (cross_entropy, dequantize_4bit, gated_activation, linear_logprobs, lora,
+                              padded_attention, rmsnorm, rope)
 
-KERNELS = {name for module in (cross_entropy, dequantize_4bit, gated_activation, linear_logprobs, lora, rmsnorm,
-                               rope)
+KERNELS = {name for module in (cross_entropy, dequantize_4bit, gated_activation, linear_logprobs, lora,
+                               padded_attention, rmsnorm, rope)
            for name in vars(module) if name.endswith("_kernel")}
 MATRIX_KERNELS = {"_project_kernel", "_project_pair_kernel", "_reduce_rows_pair_kernel", "_add_low_rank_kernel"}
 TARGETS = {  # target → (its platform, matrix instructions every LoRA kernel must use and the others may not)

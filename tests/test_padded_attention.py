@@ -120,6 +120,33 @@ def test_cuda_runs_the_flash_kernels():
     assert torch.cuda.max_memory_allocated() - before < scores
 
 
+@given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=3), extra=st.integers(0, 3),
+       kind=st.sampled_from(["right", "left", "holes"]), heads=st.integers(1, 5), dim=st.sampled_from([8, 24, 64]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), stored_bhld=st.booleans())
+def test_the_row_kernel_moves_tokens_as_indexing_does(lengths, extra, kind, heads, dim, dtype, stored_bhld):
+    """kernels/padded_attention.py's reordering (Triton; the interpreter on the CPU) against aten's indexing: to
+    the flat layout in each row's kept-first order and back, from [B, H, L, D] stored either way, with and
+    without the padding zeroed."""
+    from graphopt.kernels import padded_attention
+
+    length = max(lengths) + extra
+    keep = keep_mask(lengths, length, left=kind == "left", holes=kind == "holes")
+    g = torch.Generator().manual_seed(len(lengths) * 100 + length)
+    shape = (len(lengths), heads, length, dim) if stored_bhld else (len(lengths), length, heads, dim)
+    x = torch.randn(shape, generator=g).to(dtype)
+    x = x if stored_bhld else x.transpose(1, 2)
+    order, _ = padded_attention._sequences(keep)
+    rows = torch.arange(len(lengths))[:, None]
+    expected = x.transpose(1, 2)[rows, order].reshape(-1, heads, dim)
+    assert torch.equal(padded_attention._flat(x, order), expected)
+    zeroed = (x * keep[:, None, :, None]).transpose(1, 2)[rows, order].reshape(-1, heads, dim)
+    assert torch.equal(padded_attention._flat(x, order, keep), zeroed)
+    back = padded_attention._unflat(expected, order, None, len(lengths), length)
+    assert back.shape == x.shape and back.transpose(1, 2).is_contiguous() and torch.equal(back, x)
+    assert torch.equal(padded_attention._unflat(expected, order, keep, len(lengths), length),
+                       x * keep[:, None, :, None])
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_hf_padded_batches_fuse_and_train_the_same(arch, fresh_dynamo):
     """HF's padded batches at a static then a symbolic length: every attention layer fused (but under a sliding

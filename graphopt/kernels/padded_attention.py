@@ -6,9 +6,17 @@ handed to the kernels as 2·B causal sequences of one flat [B·L, H, D] layout: 
 The count is fixed (2·B), so nothing here waits for the GPU and a graph of symbolic length stays one graph. The
 padding's own sequence computes something finite that the output then zeroes (the op's definition,
 kernels/reference.py); its gradient is zeroed before the backward, so it contributes nothing.
+
+The reordering is one Triton launch per tensor (_rows_kernel), a program per token moving all its heads, the
+zeroing of the padding folded in: aten's advanced indexing took an index kernel plus index and fill launches per
+tensor, and reached about a quarter of the memory bandwidth (benchmarks/RESULTS.md, SFT section R).
 """
 
 import torch
+import triton
+import triton.language as tl
+
+from graphopt.kernels import layout
 
 # What the kernels take; anything else runs the reference (kernels/reference.py).
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -42,18 +50,53 @@ def _sequences(keep):
     return order, torch.cat([bounds, bounds.new_full((1,), batch * length)])
 
 
-def _flat(x, order):
-    """x [B, H, L, D] → [B·L, H, D], each row's tokens in `order`."""
+@triton.jit(do_not_specialize=["length"])
+def _rows_kernel(
+    PADDED, FLAT, ORDER, KEEP, length, heads, dim,
+    stride_pb, stride_ph, stride_pl, stride_pd, stride_fr, stride_fh, stride_fd,
+    TO_FLAT: tl.constexpr, MASKED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # flat row r = b·length + t holds the token at position ORDER[b, t] of row b of the padded layout
+    row = tl.program_id(0).to(tl.int64)
+    batch = row // length
+    position = tl.load(ORDER + row)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    inside = (h < heads) & (d < dim)
+    padded = PADDED + batch * stride_pb + position * stride_pl + h * stride_ph + d * stride_pd
+    flat = FLAT + row * stride_fr + h * stride_fh + d * stride_fd
+    x = tl.load(padded if TO_FLAT else flat, mask=inside, other=0.0)
+    if MASKED:  # the padding's tokens as zeros
+        x = tl.where(tl.load(KEEP + batch * length + position) != 0, x, tl.zeros_like(x))
+    tl.store(flat if TO_FLAT else padded, x, mask=inside)
+
+
+def _move_rows(padded, flat, order, keep, to_flat):
+    """Between padded [B, H, L, D] (any strides) and flat [B·L, H, D] in `order`, either way; with keep [B, L]
+    (contiguous), the padding's tokens written as zeros."""
+    batch, heads, length, dim = padded.shape
+    if batch * length == 0:
+        return
+    block_h, block_d = layout.next_power_of_2(heads), layout.next_power_of_2(dim)
+    _rows_kernel[(batch * length,)](
+        padded, flat, order, keep if keep is not None else order, length, heads, dim, *padded.stride(),
+        *flat.stride(), TO_FLAT=to_flat, MASKED=keep is not None, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=layout.num_warps(padded, 4 if block_h * block_d <= 4096 else 8))
+
+
+def _flat(x, order, keep=None):
+    """x [B, H, L, D] → [B·L, H, D], each row's tokens in `order`; with keep, the padding's tokens zero."""
     batch, heads, length, dim = x.shape
-    rows = torch.arange(batch, device=x.device)[:, None]
-    return x.transpose(1, 2)[rows, order].reshape(batch * length, heads, dim)
+    out = torch.empty(batch * length, heads, dim, dtype=x.dtype, device=x.device)
+    _move_rows(x, out, order, keep, to_flat=True)
+    return out
 
 
-def _unflat(y, order, batch, length):
-    """The inverse of _flat: [B·L, H, D] in `order` → [B, L, H, D]."""
-    y = y.view(batch, length, *y.shape[1:])
-    out = torch.empty_like(y)
-    out[torch.arange(batch, device=y.device)[:, None], order] = y
+def _unflat(y, order, keep, batch, length):
+    """The inverse of _flat: [B·L, H, D] in `order` → [B, H, L, D] stored [B, L, H, D] (the op's output layout);
+    with keep, the padding's tokens zero."""
+    out = torch.empty(batch, length, *y.shape[1:], dtype=y.dtype, device=y.device).transpose(1, 2)
+    _move_rows(out, y, order, keep, to_flat=False)
     return out
 
 
@@ -66,22 +109,23 @@ def longest_for_kernels(length):
 
 def padded_attention_forward(q, k, v, keep, scale):
     batch, _, length, _ = q.shape
+    keep = keep.contiguous()
     order, bounds = _sequences(keep)
     longest = longest_for_kernels(length)
     out, lse = torch.ops.aten._flash_attention_forward(
         _flat(q, order), _flat(k, order), _flat(v, order), bounds, bounds, longest, longest, 0.0, True, False,
         scale=scale)[:2]
-    out = _unflat(out, order, batch, length) * keep[:, :, None, None]
-    return out.transpose(1, 2), lse
+    return _unflat(out, order, keep, batch, length), lse
 
 
 def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
     batch, _, length, _ = q.shape
+    keep = keep.contiguous()
     order, bounds = _sequences(keep)
     longest = longest_for_kernels(length)
     no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state dropout would have used
     grads = torch.ops.aten._flash_attention_backward(
-        _flat(grad_out * keep[:, None, :, None], order), _flat(q, order), _flat(k, order), _flat(v, order),
+        _flat(grad_out, order, keep), _flat(q, order), _flat(k, order), _flat(v, order),
         _flat(out, order), lse, bounds, bounds, longest, longest, 0.0, True, no_dropout,
         torch.empty(0, device=q.device), scale=scale)
-    return tuple(_unflat(g, order, batch, length).transpose(1, 2) for g in grads)
+    return tuple(_unflat(g, order, None, batch, length) for g in grads)

@@ -48,9 +48,11 @@ IMPLEMENTATIONS = {
                                                          "_logprobs_backward_kernel (gradient over the logits in "
                                                          "place), one chunk of rows at a time",
     torch.ops.graphopt.padded_attention.default: "FlashAttention-2 variable-length kernel (aten), each row's kept "
-                                                 "tokens one causal sequence: padding neither computed nor read",
+                                                 "tokens one causal sequence: padding neither computed nor read; "
+                                                 "tokens reordered by Triton _rows_kernel",
     torch.ops.graphopt.padded_attention_backward.default: "FlashAttention-2 variable-length backward (aten), from "
-                                                          "the forward's output and log-sum-exp",
+                                                          "the forward's output and log-sum-exp; tokens reordered "
+                                                          "by Triton _rows_kernel",
     torch.ops.graphopt.packed_attention.default: "FlashAttention-2 variable-length kernel (aten), each document one "
                                                  "causal sequence (their bounds read on the host: one wait a batch)",
     torch.ops.graphopt.packed_attention_backward.default: "FlashAttention-2 variable-length backward (aten), from "
