@@ -126,8 +126,9 @@ def _memory_lines(plan) -> list:
                                                            " (planned only: the target is the host itself)")
                      + (f"; kept on the device: {kept}" if kept else ""))
         if offload.get("prefetches_dropped"):
-            lines.append(f"  {offload['prefetches_dropped']} reloads load their tensor unprefetched: each follows "
-                         f"a copy of gradients out of the CUDA graphs' pool, which ends a captured part")
+            lines.append(f"  {offload['prefetches_dropped']} reloads load their tensor unprefetched: each runs in a "
+                         f"later captured part of the CUDA graphs than the reload that would prefetch it (the parts "
+                         f"end at each copy of gradients out of their pool and each op they cannot capture)")
     estimate = saved["estimate"]
     measured = estimate.get("measured_peak_bytes")
     lines.append(f"  estimated peak of the step: {_bytes_text(estimate['estimated_peak_bytes'])} (forward "
