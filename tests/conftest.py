@@ -2,6 +2,7 @@
 hypothesis profile, a fresh Dynamo for tests that compile under their own options, and every plan a test publishes
 checked against docs/plan.schema.json."""
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -40,6 +41,20 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def force_offload_copies(monkeypatch):
+    """Call it, and the pipeline inserts offload's copies on the CPU too, as if the CPU lowering had somewhere to
+    move the data to (on the CPU they are plain copies)."""
+    from graphopt.lowering import registry
+
+    lowering_for = registry.lowering_for
+
+    def copying(target):
+        return dataclasses.replace(lowering_for(target), offload_copies=True)
+
+    return lambda: monkeypatch.setattr(registry, "lowering_for", copying)
 
 
 PLAN_SCHEMA = Draft202012Validator(json.loads((Path(__file__).parents[1] / "docs" / "plan.schema.json").read_text()))

@@ -2,7 +2,6 @@
 trainable parameters' gradients and the loss are copied out of the graphs' memory pool, so gradient accumulation
 and a kept loss read what they would read without CUDA graphs."""
 
-import dataclasses
 import re
 
 import pytest
@@ -15,7 +14,6 @@ from torch._inductor.utils import run_and_get_code
 
 import graphopt
 from graphopt import pipeline
-from graphopt.lowering import registry
 from graphopt.lowering.registry import lowering_for
 from graphopt.options import Options, cuda_graphs_decision
 from graphopt.passes import graph_pool, recompute
@@ -123,14 +121,13 @@ def test_gradients_and_loss_are_routed_through_the_copy(fresh_dynamo, monkeypatc
     assert all(relative_error(grads[n], expected[n]) <= 1e-5 for n in expected)
 
 
-def test_with_offload_no_prefetch_crosses_a_copy_of_gradients(fresh_dynamo, monkeypatch):
+def test_with_offload_no_prefetch_crosses_a_copy_of_gradients(fresh_dynamo, monkeypatch, force_offload_copies):
     """The lean mode under CUDA graphs (on the CPU, its copies to host memory forced as on a GPU): each copy of
     gradients ends a captured partition, and no reload starts a copy that a reload past such an end waits for
     (an allocation of one partition held outside its outputs, which CUDA graph trees refuse); those reloads load
     their tensor themselves, the report counts them, and the step equals eager's."""
     monkeypatch.setattr(pipeline, "check_cuda_graphs", lambda options, target: None)
-    monkeypatch.setattr(registry, "lowering_for",
-                        lambda target: dataclasses.replace(lowering_for(target), offload_copies=True))
+    force_offload_copies()
     backwards = []
     copy = recompute.copy_out_of_graph_pool
 

@@ -2,7 +2,6 @@
 are left alone; with the copies forced on, the rewritten graphs still compute what eager computes, every
 offloaded tensor is copied out once and back once, and each layer's first reload prefetches the next layer."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphopt
-from graphopt.lowering import registry, transfer
+from graphopt.lowering import transfer
 from graphopt.passes import offload as offload_pass
 from graphs import relative_error
 from models import tiny_lora_model
@@ -41,8 +40,8 @@ def assert_matches(result, expected):
 
 
 @pytest.fixture
-def copies(monkeypatch):
-    """Counts the transfer ops' calls; with .force(), the pipeline inserts them on the CPU too."""
+def copies(monkeypatch, force_offload_copies):
+    """Counts the transfer ops' calls; with ["force"](), the pipeline inserts them on the CPU too."""
     calls = {"offload": 0, "reload": 0, "prefetched": []}
     offload, reload = transfer.offload, transfer.reload
 
@@ -57,12 +56,7 @@ def copies(monkeypatch):
 
     monkeypatch.setattr(transfer, "offload", counted_offload)
     monkeypatch.setattr(transfer, "reload", counted_reload)
-    lowering_for = registry.lowering_for
-
-    def copying(target):  # the CPU lowering, as if it had somewhere to move the data to
-        return dataclasses.replace(lowering_for(target), offload_copies=True)
-
-    calls["force"] = lambda: monkeypatch.setattr(registry, "lowering_for", copying)
+    calls["force"] = force_offload_copies
     return calls
 
 

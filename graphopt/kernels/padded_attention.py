@@ -8,8 +8,8 @@ padding's own sequence computes something finite that the output then zeroes (th
 kernels/reference.py); its gradient is zeroed before the backward, so it contributes nothing.
 
 The reordering is one Triton launch per tensor (_rows_kernel), a program per token moving all its heads, the
-zeroing of the padding folded in: aten's advanced indexing took an index kernel plus index and fill launches per
-tensor, and reached about a quarter of the memory bandwidth (benchmarks/RESULTS.md, SFT section R).
+zeroing of the padding folded in: aten's advanced indexing takes an index kernel plus index and fill launches per
+tensor, and reaches about a quarter of the H200's memory bandwidth (benchmarks/RESULTS.md, SFT section R).
 """
 
 import torch
