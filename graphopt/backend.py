@@ -20,6 +20,27 @@ from graphopt.pipeline import compile_graph
 # every compile); transformers' forwards call no other Logger method of its own.
 if hasattr(logging.Logger, "warning_once"):
     torch._dynamo.config.ignore_logging_functions.add(logging.Logger.warning_once)
+
+
+class _UnserializableConfigFilter(logging.Filter):
+    """Drops the traceback torch logs when its compile metrics cannot serialize Dynamo's config.
+
+    torch 2.11 writes every compile's metrics with Dynamo's config as JSON, ignore_logging_functions included (torch
+    2.13 leaves that set out), and JSON has no form for a function: each compile then logs a TypeError traceback at
+    ERROR level and drops that compile's metrics. Nothing else is affected, so the traceback only alarms; it is
+    dropped here, the metrics stay dropped."""
+
+    def filter(self, record):
+        error = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(error, TypeError) and "is not JSON serializable" in str(error))
+
+
+_config_for_logging = getattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", None)
+try:
+    if _config_for_logging:
+        _config_for_logging()
+except TypeError:
+    logging.getLogger("torch._dynamo.metrics_context").addFilter(_UnserializableConfigFilter())
 # Under HF gradient checkpointing each decoder layer's forward runs inside torch.utils.checkpoint, and from
 # transformers 5.25 (with its `kernels` dependency) that forward sets and resets a context variable on a global
 # object. Dynamo refuses a side effect inside a checkpointed region unless told it need not be replayed when the

@@ -1,5 +1,6 @@
 """graphopt.options.parse_options, and how option errors reach a user of torch.compile."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 import torch._dynamo
 
 import graphopt
+from graphopt.backend import _UnserializableConfigFilter
 from graphopt.devices import resolve_target
 from graphopt.options import DEFAULT_MEMORY_BUDGET, REPORT_SUFFIXES, TARGETS, OptionError, Options, parse_options
 from graphopt.passes.registry import FUSIONS
@@ -272,3 +274,22 @@ def test_every_cuda_graphs_choice_takes_offload(value):
 def test_cuda_graphs_must_be_auto_or_a_bool(value):
     with pytest.raises(OptionError, match='cuda_graphs must be "auto", True or False'):
         parse_options({"cuda_graphs": value}, NAMES)
+
+
+# --- the backend's settings of torch -------------------------------------------------------------------------------
+
+def test_compile_metrics_filter_drops_only_the_config_serialization_traceback():
+    """Where torch cannot serialize Dynamo's config for its compile metrics (torch 2.11: the logging function graphopt
+    asks Dynamo to skip), the backend drops that traceback, and nothing else that logger says."""
+    def record(error):
+        try:
+            raise error
+        except Exception as raised:
+            info = (type(raised), raised, raised.__traceback__)
+        return logging.LogRecord("torch._dynamo.metrics_context", logging.ERROR, __file__, 1, "metrics", None, info)
+
+    drop = _UnserializableConfigFilter()
+    assert not drop.filter(record(TypeError("Object of type _lru_cache_wrapper is not JSON serializable")))
+    assert drop.filter(record(TypeError("unsupported operand")))
+    assert drop.filter(record(ValueError("is not JSON serializable")))
+    assert drop.filter(logging.LogRecord("x", logging.ERROR, __file__, 1, "no exception", None, None))

@@ -394,6 +394,8 @@ def test_other_trl_releases_are_not_exposed_and_say_so(monkeypatch):
 # --- TRL's trainers on a model compiled by graphopt ----------------------------------------------------------------
 
 PREFERENCES = Path(__file__).parent / "data" / "preferences.json"  # prompt / chosen / rejected triples
+# on the GPU: SFT and DPO again with the Triton lowering
+TRAINER_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def preferences():
@@ -424,7 +426,7 @@ def test_byte_tokenizer_maps_bytes_to_ids():
     assert tokenizer.decode(ids[:-1]) == text
 
 
-def train(trainer_cls, config_cls, data, tmp_path, compiled, bf16, layers, config=None, trainer=None):
+def train(trainer_cls, config_cls, data, tmp_path, compiled, bf16, layers, config=None, trainer=None, device="cpu"):
     """(log history, final adapters, reports compiled) of two optimizer steps of a TRL trainer; config and trainer:
     more arguments of the config and of the trainer."""
     model = tiny_lora_model("llama", vocab_size=VOCAB, num_hidden_layers=layers)
@@ -434,7 +436,7 @@ def train(trainer_cls, config_cls, data, tmp_path, compiled, bf16, layers, confi
         model.compile(backend="graphopt")  # in place, before the trainer patches the forward with TRL's head
     # TRL turns HF's gradient checkpointing on by default: with PEFT its input hook (requires_grad_ on the
     # embeddings' output) breaks Dynamo's graph ahead of the backbone; off, each forward is one graph
-    args = config_cls(str(tmp_path / ("compiled" if compiled else "eager")), use_cpu=True, bf16=bf16, seed=0,
+    args = config_cls(str(tmp_path / ("compiled" if compiled else "eager")), use_cpu=device == "cpu", bf16=bf16, seed=0,
                       data_seed=0, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2,
                       learning_rate=2e-3, max_grad_norm=1.0, logging_steps=1, report_to=[], disable_tqdm=True,
                       gradient_checkpointing=False, **(config or {}))
@@ -449,7 +451,9 @@ def logged(history, key):
     return [entry[key] for entry in history if key in entry]
 
 
-def assert_same_training(eager, compiled, keys, bf16):
+def assert_same_training(eager, compiled, keys, bf16, device="cpu"):
+    """The compiled run's logged keys and final adapters equal the eager run's; TRL's head fused in every step.
+    Returns the reports of the graphs that hold the backbone."""
     (eager_history, eager_adapters, _), (history, adapters, reports) = eager, compiled
     close = dict(rel=5e-2, abs=1e-2) if bf16 else dict(rel=1e-5)  # Liger's convergence tolerances in bf16
     for key in keys:
@@ -457,20 +461,28 @@ def assert_same_training(eager, compiled, keys, bf16):
         assert logged(history, key) == pytest.approx(logged(eager_history, key), **close), key
     for name, weight in adapters.items():
         assert relative_error(weight, eager_adapters[name]) <= (5e-2 if bf16 else 1e-5), name
-    assert reports and all(report.summary().get("trl_logprobs") == 1 for report in reports)
     assert all(m.pattern != "trl_logprobs" for report in reports for m in report.misses)
-    return reports
+    if device == "cpu":
+        assert reports and all(report.summary().get("trl_logprobs") == 1 for report in reports)
+        return reports
+    # on Triton devices TRL's forward keeps only the labelled positions (hidden_states[mask]): a shape known only
+    # from the data, where Dynamo breaks the graph, so the head is a graph of its own after each backbone's
+    heads = [report for report in reports if "trl_logprobs" in report.summary()]
+    assert heads and all(report.summary() == {"trl_logprobs": 1} for report in heads)
+    return [report for report in reports if report not in heads]
 
 
+@pytest.mark.parametrize("device", TRAINER_DEVICES)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16=True"])
-def test_sft_trainer_matches_the_uncompiled_trainer(tmp_path, bf16):
+def test_sft_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device):
     """SFT on the demo text: batches padded to their own length (the first compiles static, the next dynamic),
     gradient accumulation 2; per-step loss, grad_norm, entropy and token accuracy (TRL's head computes the last
     two), and the final adapters."""
     data = demo_texts(16)
-    runs = [train(trl.SFTTrainer, trl.SFTConfig, data, tmp_path, compiled, bf16, layers=2) for compiled in (0, 1)]
+    runs = [train(trl.SFTTrainer, trl.SFTConfig, data, tmp_path, compiled, bf16, layers=2, device=device)
+            for compiled in (0, 1)]
     keys = ("loss", "grad_norm", "entropy") + (() if bf16 else ("mean_token_accuracy",))  # bf16: near ties flip
-    reports = assert_same_training(*runs, keys, bf16)
+    reports = assert_same_training(*runs, keys, bf16, device)
     assert len(reports) == 2 and all(report.summary()["lora"] == 14 for report in reports)
 
 
@@ -484,13 +496,18 @@ def test_sft_trainer_with_packing_matches_the_uncompiled_trainer(tmp_path):
     assert all(report.summary().get("attention_packed") == 1 for report in reports)
 
 
+@pytest.mark.parametrize("device", TRAINER_DEVICES)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16=True"])
-def test_dpo_trainer_matches_the_uncompiled_trainer(tmp_path, bf16):
+def test_dpo_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device, request):
     """DPO on tests/data/preferences.json: the policy's forward and the reference's (adapters off, no gradients)
     each compile static, then dynamic. One decoder layer: four compiles are the test's time."""
+    request.applymarker(pytest.mark.xfail(
+        device == "cuda" and bf16, strict=True, reason="open bug: CUDA graphs' recording of the backward finds the "
+        "padded attention backward's gradients alive in its pool, not tracked as outputs"))
     data = datasets.Dataset.from_list(preferences())
-    runs = [train(trl.DPOTrainer, trl.DPOConfig, data, tmp_path, compiled, bf16, layers=1) for compiled in (0, 1)]
-    reports = assert_same_training(*runs, ("loss", "grad_norm", "logps/chosen", "logps/rejected"), bf16)
+    runs = [train(trl.DPOTrainer, trl.DPOConfig, data, tmp_path, compiled, bf16, layers=1, device=device)
+            for compiled in (0, 1)]
+    reports = assert_same_training(*runs, ("loss", "grad_norm", "logps/chosen", "logps/rejected"), bf16, device)
     assert len(reports) == 4
 
 
