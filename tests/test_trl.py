@@ -502,8 +502,10 @@ def test_dpo_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device, requ
     """DPO on tests/data/preferences.json: the policy's forward and the reference's (adapters off, no gradients)
     each compile static, then dynamic. One decoder layer: four compiles are the test's time."""
     request.applymarker(pytest.mark.xfail(
-        device == "cuda" and bf16, strict=True, reason="open bug: CUDA graphs' recording of the backward finds the "
-        "padded attention backward's gradients alive in its pool, not tracked as outputs"))
+        device == "cuda" and bf16, strict=True, reason="open bug: with the reference's forward run between the "
+        "policy's forward and its backward, CUDA graph trees (torch 2.11) find the backward's gradients alive in "
+        "their pool, not tracked as outputs; likely pytorch/pytorch#194124 (a pending backward's forward path "
+        "taken for dead)"))
     data = datasets.Dataset.from_list(preferences())
     runs = [train(trl.DPOTrainer, trl.DPOConfig, data, tmp_path, compiled, bf16, layers=1, device=device)
             for compiled in (0, 1)]
