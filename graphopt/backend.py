@@ -41,6 +41,7 @@ try:
         _config_for_logging()
 except TypeError:
     logging.getLogger("torch._dynamo.metrics_context").addFilter(_UnserializableConfigFilter())
+
 # Under HF gradient checkpointing each decoder layer's forward runs inside torch.utils.checkpoint, and from
 # transformers 5.25 (with its `kernels` dependency) that forward sets and resets a context variable on a global
 # object. Dynamo refuses a side effect inside a checkpointed region unless told it need not be replayed when the

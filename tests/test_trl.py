@@ -452,8 +452,8 @@ def logged(history, key):
 
 
 def assert_same_training(eager, compiled, keys, bf16, device="cpu"):
-    """The compiled run's logged keys and final adapters equal the eager run's; TRL's head fused in every step.
-    Returns the reports of the graphs that hold the backbone."""
+    """The compiled run's logged keys and final adapters equal the eager run's; TRL's head fused wherever it was
+    compiled. Returns the reports of the graphs that hold the backbone."""
     (eager_history, eager_adapters, _), (history, adapters, reports) = eager, compiled
     close = dict(rel=5e-2, abs=1e-2) if bf16 else dict(rel=1e-5)  # Liger's convergence tolerances in bf16
     for key in keys:
