@@ -13,7 +13,10 @@
 # A variant that fails is recorded in the JSON file and the table, the others still run, and the script exits 1.
 # Needs graphopt installed (pip install --no-deps --no-build-isolation -e .) for its torch.compile backend, and
 # liger_kernel / unsloth importable (the .site folder on PYTHONPATH) for those two variants.
-# PYTHON picks the interpreter (default python3).
+# PYTHON picks the interpreter (default python3). LAUNCHER, when set, starts each variant instead of it, e.g.
+#   LAUNCHER="torchrun --nproc-per-node 2" benchmarks/run_train_step.sh graphopt inductor -- --engine ddp --shape 8b
+# (several GPUs, one process each: benchmarks/engines.py). RESULTS=PATH appends to that results file instead of a
+# new one: the same variants run without LAUNCHER and --engine into it give the table its scaling column.
 
 set -u
 cd "$(dirname "$0")/.."
@@ -34,7 +37,7 @@ python="${PYTHON:-python3}"
 outdir="${OUT:-benchmarks/results}"
 mkdir -p "$outdir"
 stamp="$(date -u +%Y%m%d-%H%M%S)"
-results="$outdir/train_step-$stamp.jsonl"
+results="${RESULTS:-$outdir/train_step-$stamp.jsonl}"
 failures=0
 
 run=0
@@ -46,8 +49,9 @@ for spec in "${variants[@]}"; do
     fi
     run=$((run + 1))
     log="$outdir/train_step-$stamp-$run-$variant.log"
-    echo "=== $variant $options: $python benchmarks/train_step.py --variant $variant --options '$options' --json $results $*"
-    "$python" benchmarks/train_step.py --variant "$variant" --options "$options" --json "$results" "$@" 2>&1 | tee "$log"
+    echo "=== $variant $options: ${LAUNCHER:-$python} benchmarks/train_step.py --variant $variant --options '$options' --json $results $*"
+    ${LAUNCHER:-$python} benchmarks/train_step.py --variant "$variant" --options "$options" --json "$results" "$@" \
+        2>&1 | tee "$log"
     status=${PIPESTATUS[0]}
     if [ "$status" -ne 0 ]; then
         echo "=== $variant FAILED with exit code $status (log: $log)"

@@ -17,6 +17,8 @@ benchmarks/run_train_step.sh runs all of them, each in its own process, and prin
           document position_ids, the first label of each document -100
 tokens/s counts the documents' tokens only (what a padded step spends on pads is lost time).
 
+--engine ddp or fsdp2 trains on several GPUs, one process each, under torchrun (benchmarks/engines.py).
+
 Memory: the peak over the timed steps, allocated and reserved. Before them, for every variant alike, the
 allocator's cache goes back to the device (what compiles and autotuning left) and one more untimed step maps
 again what the step needs; the warm-up's own peaks are recorded beside it (warmup_peak_reserved_gib and
@@ -63,6 +65,7 @@ import time
 
 import torch
 
+import engines
 from common import device_name, host_link_gib_s, launch_us, version_of
 
 VARIANTS = ("eager", "inductor", "graphopt", "liger", "unsloth")
@@ -212,7 +215,7 @@ def prepare(args, device, dtype):
     config = llama_config(args.shape, args.data)
     if args.variant == "unsloth":
         model, keep_alive = prepare_unsloth(args, config, dtype, device)
-        return model, model, keep_alive
+        return model, engines.wrap(model, args.engine, dtype, device), keep_alive
 
     if args.variant == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -227,13 +230,16 @@ def prepare(args, device, dtype):
     model = add_lora(model)
     # Liger's fused linear+cross-entropy only runs in training mode.
     model.train()
+    wrapped = engines.wrap(model, args.engine, dtype, device)
     if args.variant == "inductor":
-        return model, torch.compile(model), None
+        return model, torch.compile(wrapped), None
     if args.variant == "graphopt":
         import graphopt  # noqa: F401  (for graphopt.last_report(); the backend itself comes by entry point)
 
-        return model, torch.compile(model, backend="graphopt", options=json.loads(args.options)), None
-    return model, model, None
+        if args.engine == "ddp":  # as graphopt's README says to run DDP: one graph a step, not one per bucket
+            torch._dynamo.config.optimize_ddp = False
+        return model, torch.compile(wrapped, backend="graphopt", options=json.loads(args.options)), None
+    return model, wrapped, None
 
 
 def document_lengths(count, generator):
@@ -243,11 +249,11 @@ def document_lengths(count, generator):
     return lengths.round().clamp(SFT_LENGTHS["shortest"], SFT_LENGTHS["longest"]).long().tolist()
 
 
-def make_batches(data, batch, seq, count, vocab_size, device, multiple=1):
+def make_batches(data, batch, seq, count, vocab_size, device, multiple=1, seed=DATA_SEED):
     """count batches (dicts of the model's keyword inputs) and the documents' tokens in each; the same for every
     variant. Labels are the inputs (the model shifts them), -100 where nothing is to be predicted. Padded batches
     are padded to a multiple of `multiple` (the collators' pad_to_multiple_of: length buckets)."""
-    generator = torch.Generator().manual_seed(DATA_SEED)
+    generator = torch.Generator().manual_seed(seed)
     if data == "fixed":
         input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator).to(device)
         return [dict(input_ids=input_ids, labels=input_ids)] * count, [batch * seq] * count
@@ -477,7 +483,10 @@ def print_memory_at_peak(forward, optimizer, batch, device, top=30, autocast=Non
 
 
 def run(args):
+    """The result (a dict), in the process that reports it (rank 0), else None."""
     device = torch.device(args.device)
+    if args.engine != "none":
+        device = engines.init(device)
     dtype = DTYPES[args.dtype]
     autocast = AUTOCAST[args.autocast]
     # What the host brings, measured before the model: hosts of one GPU kind differ (RESULTS.md, ninth session)
@@ -489,7 +498,7 @@ def run(args):
 
     vocab_size = model.get_input_embeddings().weight.shape[0]
     batches, tokens = make_batches(args.data, args.batch, args.seq, args.warmup + args.steps, vocab_size, device,
-                                   args.pad_to_multiple_of)
+                                   args.pad_to_multiple_of, seed=DATA_SEED + engines.rank())
     if args.data != "fixed" and args.variant in ("inductor", "graphopt"):
         # Lengths vary from step to step: Dynamo compiles the first batch for its sizes, the second again with the
         # sequence dimension symbolic, and that graph serves every later step. Marked here, one compile reaches
@@ -554,12 +563,18 @@ def run(args):
     for batch in batches[args.warmup:]:
         loss = train_step(forward, optimizer, batch, autocast)
     synchronize(device)
-    seconds = time.perf_counter() - start
+    # several ranks: the slowest rank's time, all ranks' tokens, the highest rank's memory (per GPU)
+    seconds = engines.combined(time.perf_counter() - start, "max", device)
     timed_compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
-    timed_tokens = sum(tokens[args.warmup:])
-    timed_positions = sum(batch["input_ids"].numel() for batch in batches[args.warmup:])
+    timed_tokens = engines.combined(sum(tokens[args.warmup:]), "sum", device)
+    timed_positions = engines.combined(sum(batch["input_ids"].numel() for batch in batches[args.warmup:]), "sum",
+                                       device)
     peak_alloc = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     peak_reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+    peak_alloc, peak_reserved = (engines.combined(peak, "max", device) for peak in (peak_alloc, peak_reserved))
+    # the mean over the ranks' batches
+    first_loss, last_loss = (engines.combined(value, "sum", device) / engines.world()
+                             for value in (first_loss, loss.item()))
     # CUDA graph replays allocate nothing the allocator counts as allocated: their memory pool shows as reserved
     graphs = args.variant == "graphopt" and bool((graphopt.last_report().cuda_graphs or {}).get("on"))
     peak = peak_reserved if graphs else peak_alloc
@@ -629,7 +644,7 @@ def run(args):
         "reserved_after_warmup_gib": reserved_after_warmup / 2**30 if reserved_after_warmup is not None else None,
         "recording_peak_alloc_gib": recording_peak / 2**30 if recording_peak is not None else None,
         "first_loss": first_loss,
-        "loss": loss.item(),
+        "loss": last_loss,
         "trainable_params": sum(p.numel() for p in trainable),
         "device_name": device_name(device),
         "host_link_gib_s": host_link,
@@ -648,8 +663,10 @@ def run(args):
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "engine": args.engine,
+        "world_size": engines.world(),
     }
-    return result
+    return result if engines.rank() == 0 else None
 
 
 def describe(r):
@@ -661,10 +678,17 @@ def describe(r):
         (", CUDA graphs: compare reserved" if r["cuda_graphs"] else "") + \
         (f"; allocated while recording them {r['recording_peak_alloc_gib']:.2f} GiB"
          if r.get("recording_peak_alloc_gib") is not None else "")
-    return (f"{r['variant']} {r['options'] or ''}: {r['shape']} batch {r['batch']} {_data(r)} {r['dtype']} "
-            f"on {r['device_name']}: "
+    return (f"{r['variant']} {r['options'] or ''}{_engine(r)}: {r['shape']} batch {r['batch']} {_data(r)} "
+            f"{r['dtype']} on {r['device_name']}: "
             f"{r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step, peak {memory}, "
             f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}{_describe_host(r)}")
+
+
+def _engine(r):
+    """ " (DDP × 2)" where several processes trained, else "" (results before --engine are of one process)."""
+    if r.get("world_size", 1) == 1:
+        return ""
+    return f" ({engines.NAMES[r['engine']]} × {r['world_size']})"
 
 
 def _data(r):
@@ -702,6 +726,16 @@ def _peak(r):
     return r.get("peak_gib", r["peak_alloc_gib"])
 
 
+def _scaling(r, group):
+    """Scaling efficiency of a run of several processes: its tokens/s ÷ (processes × the same variant's tokens/s
+    in one process, in the same file); "—" without that run."""
+    if r.get("world_size", 1) == 1:
+        return "—"
+    alone = next((one for one in group if one.get("world_size", 1) == 1 and one["variant"] == r["variant"]
+                  and one.get("options") == r.get("options") and one.get("quant") == r.get("quant")), None)
+    return "—" if alone is None else f"{r['tokens_per_s'] / (r['world_size'] * alone['tokens_per_s']):.2f}"
+
+
 def print_table(path):
     """A markdown table per configuration, with each variant measured against inductor's row."""
     with open(path) as f:
@@ -714,20 +748,23 @@ def print_table(path):
             groups.setdefault(key, []).append(r)
 
     for (shape, batch, _, _, _, dtype, device), group in groups.items():
-        base = next((r for r in group if r["variant"] == "inductor"), None)
-        print(f"\n{shape}, batch {batch}, {_data(group[0])}, {dtype}, {device}, {group[0]['date'][:10]}\n")
+        base = next((r for r in group if r["variant"] == "inductor" and r.get("world_size", 1) == 1), None)
+        several = any(r.get("world_size", 1) > 1 for r in group)
+        print(f"\n{shape}, batch {batch}{' per process' if several else ''}, {_data(group[0])}, {dtype}, {device}, "
+              f"{group[0]['date'][:10]}\n")
         print("| variant | tokens/s | step ms | peak GiB | ×inductor tokens/s | ×inductor memory | loss "
-              "| warm-up s |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+              "| warm-up s |" + (" scaling |" if several else ""))
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if several else ""))
         for r in group:
-            label = r["variant"] + (f" {r['options']}" if r.get("options") not in (None, "{}") else "")
+            label = r["variant"] + (f" {r['options']}" if r.get("options") not in (None, "{}") else "") + _engine(r)
             label += " (QLoRA nf4)" if r.get("quant") == "nf4" else ""
             label += " (CUDA graphs: peak reserved)" if r.get("cuda_graphs") else ""
             print(f"| {label} | {_number(r['tokens_per_s'], 0)} | {_number(r['step_ms'], 1)} "
                   f"| {_number(_peak(r), 2)} "
                   f"| {_ratio(r['tokens_per_s'], base and base['tokens_per_s'])} "
                   f"| {_ratio(_peak(r), base and _peak(base))} "
-                  f"| {_number(r['loss'], 4)} | {_number(r.get('warmup_s'), 0)} |")
+                  f"| {_number(r['loss'], 4)} | {_number(r.get('warmup_s'), 0)} |" +
+                  (f" {_scaling(r, group)} |" if several else ""))
 
     failed = [r for r in rows if r.get("failed")]
     if failed:
@@ -763,6 +800,9 @@ def parse_args(argv):
                         help="run the forward under torch.autocast of this dtype (HF's bf16=True: --dtype fp32 "
                              "--autocast bf16)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--engine", choices=engines.ENGINES, default="none",
+                        help="ddp or fsdp2: one process per GPU under torchrun, each training --batch rows of its own "
+                             "(benchmarks/engines.py)")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line of results to PATH")
     parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"keep_logits\": true}'")
     parser.add_argument("--profile", metavar="PATH", help="then profile 2 more steps: print where the device "
@@ -783,6 +823,10 @@ def parse_args(argv):
         parser.error("--warmup and --steps must be at least 1")
     if args.pad_to_multiple_of < 1 or (args.pad_to_multiple_of > 1 and args.data != "padded"):
         parser.error("--pad-to-multiple-of takes a positive N, and pads --data padded batches only")
+    if args.engine != "none" and not engines.launched():
+        parser.error(f"--engine {args.engine} runs one process per GPU: launch with torchrun --nproc-per-node N")
+    if args.engine == "fsdp2" and args.quant != "none":
+        parser.error("--engine fsdp2 shards 16-bit weights only here (--quant none)")
     return args
 
 
@@ -791,7 +835,12 @@ def main(argv=None):
     if args.table is not None:
         print_table(args.table)
         return
-    result = run(args)
+    try:
+        result = run(args)
+    finally:
+        engines.finish()
+    if result is None:  # another rank reports
+        return
     print(describe(result))
     if args.json:
         with open(args.json, "a") as f:
