@@ -5,13 +5,12 @@ benchmarks/RESULTS.md come from them."""
 import json
 import math
 import pathlib
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from ranks import spawn
+from ranks import init_rank, spawn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -158,19 +157,14 @@ def test_profile_new_length_cuts_the_longest_batch_to_a_length_no_batch_has():
 def _benchmark_rank(rank, init, argv, out):
     """A rank of `--engine` runs: joins the process group as torchrun would have set it up, then runs the benchmark
     (which finds the group already there)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-    from ranks import init_rank
-
-    import train_step as benchmark
-
     torch.set_num_threads(1)
     init_rank(rank, init)
-    benchmark.main(argv)
+    train_step.main(argv)
     torch.save(None, f"{out}.{rank}")  # spawn reads one file per rank
 
 
 @pytest.mark.parametrize("variant, engine", [("graphopt", "ddp"), ("eager", "fsdp2")])
-def test_engines_train_on_two_processes_and_report_once(tmp_path, variant, engine):
+def test_engines_train_on_two_processes_and_report_once(tmp_path, capsys, variant, engine):
     """--engine on two gloo processes: rank 0 alone writes the result, with the ranks' tokens together (each its own
     batches) and the slowest rank's time; the table names the engine and scales it against the one-process row."""
     path = tmp_path / "r.jsonl"
@@ -182,10 +176,10 @@ def test_engines_train_on_two_processes_and_report_once(tmp_path, variant, engin
     assert (alone["world_size"], both["world_size"], both["engine"]) == (1, 2, engine)
     assert both["tokens_per_step"] == 2 * alone["tokens_per_step"] == 2 * 2 * 32
     assert math.isfinite(both["loss"]) and both["loss"] != alone["loss"]  # the mean over other batches too
-    table = subprocess.run([sys.executable, "benchmarks/train_step.py", "--table", str(path)], capture_output=True,
-                           text=True, check=True, cwd=pathlib.Path(__file__).resolve().parents[1]).stdout
-    name = {"ddp": "DDP", "fsdp2": "FSDP2"}[engine]
-    row = next(line for line in table.splitlines() if f"({name} × 2)" in line)
+    capsys.readouterr()
+    train_step.print_table(path)
+    name = train_step.engines.NAMES[engine]
+    row = next(line for line in capsys.readouterr().out.splitlines() if f"({name} × 2)" in line)
     scaling = float(row.rstrip(" |").rsplit("|", 1)[1])
     assert scaling == pytest.approx(both["tokens_per_s"] / (2 * alone["tokens_per_s"]), abs=0.01)
 

@@ -2,7 +2,6 @@
 are left alone; with the copies forced on, the rewritten graphs still compute what eager computes, every
 offloaded tensor is copied out once and back once, and each layer's first reload prefetches the next layer."""
 
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -41,7 +40,7 @@ def assert_matches(result, expected):
 
 @pytest.fixture
 def copies(monkeypatch, force_offload_copies):
-    """Counts the transfer ops' calls; with ["force"](), the pipeline inserts them on the CPU too."""
+    """Counts the transfer ops' calls; calling its "force" entry makes the pipeline insert them on the CPU too."""
     calls = {"offload": 0, "reload": 0, "prefetched": []}
     offload, reload = transfer.offload, transfer.reload
 
