@@ -129,7 +129,8 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
         # As config_patches, not a config.patch block: they must also reach the backward, compiled at its first run.
         settings = dict(custom_partitioner_fn=partitioner)
         if graphs:
-            settings.update({"triton.cudagraphs": True, "graph_partition": True})
+            settings.update({"triton.cudagraphs": True, "graph_partition": True,
+                             "custom_should_partition_ops": list(lowering.uncapturable_ops)})
             # Inductor would move the gradients' copies to the backward's end, one partition fewer per copy,
             # and keep every gradient in the pool until then (passes/graph_pool.py)
             if hasattr(torch._inductor.config.triton, "reorder_for_reducing_graph_partitions"):

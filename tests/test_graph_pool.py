@@ -244,3 +244,28 @@ def test_on_the_gpu_cuda_graphs_replay_and_accumulate_gradients_right(dtype, arc
         eager_losses, eager = accumulated(model, model, batches)
         assert losses == pytest.approx(eager_losses, rel=1e-5)
         assert all(relative_error(grads[n], eager[n]) <= 1e-5 for n in eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_the_gpu_an_op_that_synchronizes_runs_between_the_recorded_partitions(fresh_dynamo):
+    """masked_scatter's backward counts the mask on the host, which a capture forbids, yet its output has a known
+    size, so Inductor would capture it (TRL's log-prob head scatters its per-token results so): the CUDA lowering
+    names it, and the graph records and replays around it, gradients as eager."""
+    weight = torch.randn(16, 1, device="cuda", requires_grad=True)
+
+    def step(x, mask):
+        return torch.zeros(mask.shape, device="cuda").masked_scatter(mask, (x @ weight).squeeze(-1)).square().sum()
+
+    compiled = torch.compile(step, backend="graphopt")
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    for seed in range(3):  # warm-up, recording, replay
+        generator = torch.Generator().manual_seed(seed)
+        x, mask = torch.randn(32, 16, generator=generator).cuda(), (torch.rand(4, 8, generator=generator) > 0.5).cuda()
+        loss = compiled(x, mask)
+        grad, = torch.autograd.grad(loss, weight)
+        expected_loss = step(x, mask)
+        expected, = torch.autograd.grad(expected_loss, weight)
+        assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-5)
+        assert relative_error(grad, expected) <= 1e-5
+    assert graphopt.last_report().cuda_graphs["on"] is True
+    assert counters["inductor"]["cudagraph_skips"] == skips_before

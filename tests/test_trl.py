@@ -486,13 +486,14 @@ def test_sft_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device):
     assert len(reports) == 2 and all(report.summary()["lora"] == 14 for report in reports)
 
 
-def test_sft_trainer_with_packing_matches_the_uncompiled_trainer(tmp_path):
+@pytest.mark.parametrize("device", TRAINER_DEVICES)
+def test_sft_trainer_with_packing_matches_the_uncompiled_trainer(tmp_path, device):
     """SFTConfig(packing=True): documents packed into rows of max_length, padding-free (position_ids restart per
     document), so attention is graphopt::packed_attention; loss, grad_norm and adapters as uncompiled, fp32."""
     data = demo_texts(32)
     runs = [train(trl.SFTTrainer, trl.SFTConfig, data, tmp_path, compiled, False, layers=1,
-                  config=dict(packing=True, max_length=128)) for compiled in (0, 1)]
-    reports = assert_same_training(*runs, ("loss", "grad_norm"), False)
+                  config=dict(packing=True, max_length=128), device=device) for compiled in (0, 1)]
+    reports = assert_same_training(*runs, ("loss", "grad_norm"), False, device)
     assert all(report.summary().get("attention_packed") == 1 for report in reports)
 
 
@@ -512,21 +513,25 @@ def test_dpo_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device, requ
     assert len(reports) == 4
 
 
-def test_kto_trainer_matches_the_uncompiled_trainer(tmp_path):
+@pytest.mark.parametrize("device", TRAINER_DEVICES)
+def test_kto_trainer_matches_the_uncompiled_trainer(tmp_path, device):
     """KTO on the preference set unpaired: the policy's forward, the KL forward on mismatched pairs (no gradients)
     and the reference's through the frozen "ref" adapter TRL adds beside the trained one. The second step's rewards
     differ from zero only through that adapter: equal to eager, the compiled model followed PEFT's adapter switch."""
     data = datasets.Dataset.from_list([{"prompt": row["prompt"], "completion": row[kind], "label": kind == "chosen"}
                                        for row in preferences() for kind in ("chosen", "rejected")])
-    runs = [train(trl.KTOTrainer, trl.KTOConfig, data, tmp_path, compiled, False, layers=1) for compiled in (0, 1)]
-    assert_same_training(*runs, ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen"), False)
+    runs = [train(trl.KTOTrainer, trl.KTOConfig, data, tmp_path, compiled, False, layers=1, device=device)
+            for compiled in (0, 1)]
+    assert_same_training(*runs, ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen"), False,
+                         device)
     assert logged(runs[1][0], "rewards/chosen")[1] != 0
 
 
 @pytest.mark.parametrize("trainer_cls, config_cls, keys", [
     (trl.GRPOTrainer, trl.GRPOConfig, ("loss", "grad_norm", "reward")),
     (trl.RLOOTrainer, trl.RLOOConfig, ("grad_norm", "reward"))], ids=["GRPO", "RLOO"])
-def test_online_trainers_match_the_uncompiled_trainer(tmp_path, trainer_cls, config_cls, keys):
+@pytest.mark.parametrize("device", TRAINER_DEVICES)
+def test_online_trainers_match_the_uncompiled_trainer(tmp_path, trainer_cls, config_cls, keys, device):
     """GRPO and RLOO on the preference set's prompts, rewarded by completion length: completions are sampled
     through `generate` (eager, the same draws in both runs), their log-probs through the compiled forward. RLOO's
     advantages sum to zero over a prompt's completions: its logged loss is zero up to rounding (so not compared)
@@ -535,6 +540,6 @@ def test_online_trainers_match_the_uncompiled_trainer(tmp_path, trainer_cls, con
     data = datasets.Dataset.from_list([{"prompt": row["prompt"]} for row in preferences()])
     runs = [train(trainer_cls, config_cls, data, tmp_path, compiled, False, layers=1,
                   config=dict(num_generations=4, max_completion_length=8, optim="sgd"),
-                  trainer=dict(reward_funcs=lambda completions, **_: [float(len(c)) for c in completions]))
-            for compiled in (0, 1)]
-    assert_same_training(*runs, keys, False)
+                  trainer=dict(reward_funcs=lambda completions, **_: [float(len(c)) for c in completions]),
+                  device=device) for compiled in (0, 1)]
+    assert_same_training(*runs, keys, False, device)

@@ -115,6 +115,12 @@ def sdpa_as_on_the_gpu(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
 
 META_STAND_INS = {torch.nn.functional.scaled_dot_product_attention: sdpa_as_on_the_gpu}
 
+# aten ops whose CUDA kernels read a count back to the host (a synchronization, which a stream capture forbids)
+# while their outputs' sizes are known: Inductor partitions a graph around ops of data-dependent output size, not
+# around these. masked_scatter_backward selects the masked gradient (masked_select) and pads it to the given size:
+# TRL's log-prob head scatters its per-token results into the labels' shape (trl/trainer/utils.py).
+UNCAPTURABLE_OPS = ("aten::masked_scatter_backward",)
+
 
 # In compiled graphs these are decomposed below autograd: Inductor then fuses them with their neighbours (the
 # residual add, the casts), and the partitioner can recompute their outputs in the backward instead of saving

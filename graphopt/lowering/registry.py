@@ -34,6 +34,8 @@ class Lowering:
     offload_copies: bool = True
     # cuda_graphs="auto" may replay the graphs as CUDA graphs: measured faster on NVIDIA only (the H200)
     cuda_graphs: bool = False
+    # aten ops (Inductor's names) that run between the CUDA graphs' captured partitions
+    uncapturable_ops: tuple = ()
     # graphopt op → fn(its tensor inputs as it runs them, autocast applied: Running) → the text when it is not the
     # usual implementation's (None when it is): the report names what actually runs
     variants: dict = field(default_factory=dict)
@@ -51,6 +53,7 @@ def lowering_for(target: str) -> Lowering:
                                             "not yet measured on AMD GPUs")
         return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda",
+                        uncapturable_ops=cuda.UNCAPTURABLE_OPS,
                         prepare=cuda.prepare if target == "cuda" else None,
                         meta_stand_ins=dict(cuda.META_STAND_INS),
                         variants={torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
