@@ -513,6 +513,17 @@ def test_dpo_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device, requ
     assert len(reports) == 4
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bug it avoids is under CUDA graphs")
+def test_dpo_with_the_reference_precomputed_keeps_cuda_graphs_in_bf16(tmp_path):
+    """The README's way around the open bug above that keeps CUDA graphs: with the reference's log-probs computed
+    before training, no other forward runs between the policy's forward and its backward."""
+    data = datasets.Dataset.from_list(preferences())
+    runs = [train(trl.DPOTrainer, trl.DPOConfig, data, tmp_path, compiled, True, layers=1, device="cuda",
+                  config=dict(precompute_ref_log_probs=True)) for compiled in (0, 1)]
+    reports = assert_same_training(*runs, ("loss", "grad_norm", "logps/chosen", "logps/rejected"), True, "cuda")
+    assert any(report.cuda_graphs["on"] for report in reports)
+
+
 @pytest.mark.parametrize("device", TRAINER_DEVICES)
 def test_kto_trainer_matches_the_uncompiled_trainer(tmp_path, device):
     """KTO on the preference set unpaired: the policy's forward, the KL forward on mismatched pairs (no gradients)
