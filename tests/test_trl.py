@@ -394,7 +394,7 @@ def test_other_trl_releases_are_not_exposed_and_say_so(monkeypatch):
 # --- TRL's trainers on a model compiled by graphopt ----------------------------------------------------------------
 
 PREFERENCES = Path(__file__).parent / "data" / "preferences.json"  # prompt / chosen / rejected triples
-# on the GPU: SFT and DPO again with the Triton lowering
+# on the GPU: every trainer again with the Triton lowering (and CUDA graphs where the shapes are static)
 TRAINER_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
