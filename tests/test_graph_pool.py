@@ -9,11 +9,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
+from torch._inductor import ir
 from torch._inductor.cudagraph_trees import get_manager
 from torch._inductor.utils import run_and_get_code
 
 import graphopt
 from graphopt import pipeline
+from graphopt.lowering import cuda
 from graphopt.lowering.registry import lowering_for
 from graphopt.options import Options, cuda_graphs_decision
 from graphopt.passes import graph_pool, recompute
@@ -215,6 +217,34 @@ def _bits(dtype):
 LEAN = {"memory_budget": 0, "offload": True}
 
 
+class _Scheduled:
+    """A scheduler node as extracted_outputs_beside_their_kernel reads one: its IR node and its buffers' names."""
+
+    def __init__(self, name, takes_from=None):
+        self.name = name
+        if takes_from is None:
+            self.node = None
+        else:  # an output taken out of takes_from's tuple
+            self.node = object.__new__(ir.MultiOutput)
+            self.node.inputs = [type("Buffer", (), {"get_name": lambda _: takes_from})()]
+
+    def get_buffer_names(self):
+        return {self.name}
+
+
+def test_outputs_taken_out_of_a_tuple_follow_their_kernel():
+    """Inductor's peak-memory order may put an op that ends a CUDA graph partition (a gradients' copy) between a
+    kernel of several outputs and the nodes that take them out of its tuple: they move up beside their kernel
+    (nested tuples too), the rest keeps its order; a tuple made outside the nodes leaves the order as it was."""
+    kernel, copy, first, second = (_Scheduled("kernel"), _Scheduled("copy"), _Scheduled("first", "kernel"),
+                                   _Scheduled("second", "kernel"))
+    inner, user = _Scheduled("inner", "second"), _Scheduled("user")
+    moved = cuda.extracted_outputs_beside_their_kernel([kernel, copy, first, user, second, inner])
+    assert [n.name for n in moved] == ["kernel", "first", "second", "inner", "copy", "user"]
+    unmoved = [copy, _Scheduled("orphan", "elsewhere"), user]
+    assert cuda.extracted_outputs_beside_their_kernel(unmoved) == unmoved
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("arch, options", [("llama", {}), ("llama", LEAN), ("gemma", LEAN)],
                          ids=["llama-defaults", "llama-lean", "gemma-lean"])
@@ -269,3 +299,36 @@ def test_on_the_gpu_an_op_that_synchronizes_runs_between_the_recorded_partitions
         assert relative_error(grad, expected) <= 1e-5
     assert graphopt.last_report().cuda_graphs["on"] is True
     assert counters["inductor"]["cudagraph_skips"] == skips_before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_gpu_a_forward_without_cuda_graphs_between_a_recorded_forward_and_its_backward(dtype, fresh_dynamo):
+    """DPO's step without TRL: the policy's forward (recorded as CUDA graphs), then the same model under no_grad
+    (another graph, which runs without CUDA graphs), then the policy's backward. The call in between is a
+    top-level call of a compiled model, and must not end the step inside the backward: warm-up, recording and
+    replays give the losses and gradients of the same compile without CUDA graphs."""
+    model = tiny_lora_model("llama", dtype).cuda()
+    batches = [torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(s)).cuda() for s in (1, 2)]
+
+    def steps(forward):
+        losses = []
+        for ids in batches * 2:
+            model.zero_grad(set_to_none=True)
+            loss = forward(input_ids=ids, labels=ids).loss
+            with torch.no_grad():
+                reference = forward(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses += [loss.detach(), reference]
+        return [x.item() for x in losses], {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    expected_losses, expected = steps(torch.compile(model, backend="graphopt", options={"cuda_graphs": False}))
+    torch._dynamo.reset()
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    losses, grads = steps(torch.compile(model, backend="graphopt"))
+    assert any(report.cuda_graphs["on"] for report in graphopt.reports())
+    assert counters["inductor"]["cudagraph_skips"] == skips_before
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-3
+    assert losses == pytest.approx(expected_losses, rel=tolerance)
+    errors = {n: relative_error(grads[n].float(), expected[n].float()) for n in expected}
+    assert max(errors.values()) <= tolerance, sorted(errors.items(), key=lambda e: -e[1])[:3]

@@ -228,6 +228,24 @@ def test_a_capture_takes_only_buffers_pinned_before_it_and_keeps_them(monkeypatc
     assert token.data_ptr() not in transfer._host_of and transfer._free_buffers[x.device] == [pinned]
 
 
+def test_a_buffer_left_at_a_reused_token_address_is_never_freed(monkeypatch):
+    """A token's address taken by a new offload while its buffer was never reloaded (the CUDA graphs that saved it
+    gone, their pool's addresses reused): the buffer is not dropped, which during a capture would make the next
+    capture fail as it starts (docs/architecture.md). Eagerly it goes back to the free ones; under a capture it is
+    held, as it may be another recorded graph's."""
+    monkeypatch.setattr(transfer, "_free_buffers", {torch.device("cpu"): []})
+    monkeypatch.setattr(transfer, "_host_of", {})
+    monkeypatch.setattr(transfer, "_held_for_graphs", [])
+    token, first, second = torch.zeros(1, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8), \
+        torch.empty(64, dtype=torch.uint8)
+    for capturing, buffer in ((False, first), (True, second)):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        transfer._host_of[token.data_ptr()] = (buffer, buffer)
+        transfer._retire(token)
+        assert token.data_ptr() not in transfer._host_of
+    assert transfer._free_buffers[torch.device("cpu")] == [first] and transfer._held_for_graphs == [second]
+
+
 def test_an_offload_takes_the_smallest_free_buffer_that_holds_it(monkeypatch):
     """Sizes that change every step reuse the buffers of longer steps: the smallest free one that holds the
     tensor's bytes, whatever its shape and dtype; a new one only when none does."""

@@ -7,6 +7,7 @@ below autograd (their backward formula stays ours), where measurement showed its
 import os
 
 import torch
+from torch._inductor import config as inductor_config, ir, memory
 
 from graphopt.lowering import ops
 from graphopt.passes.match import value
@@ -120,6 +121,52 @@ META_STAND_INS = {torch.nn.functional.scaled_dot_product_attention: sdpa_as_on_t
 # around these. masked_scatter_backward selects the masked gradient (masked_select) and pads it to the given size:
 # TRL's log-prob head scatters its per-token results into the labels' shape (trl/trainer/utils.py).
 UNCAPTURABLE_OPS = ("aten::masked_scatter_backward",)
+
+
+def extracted_outputs_beside_their_kernel(nodes: list) -> list:
+    """Inductor's scheduler nodes in the order its peak-memory pass chose, each kernel of several outputs (a tuple:
+    lora_linear_backward's dX, dA, dB) followed at once by the nodes that take its outputs out of the tuple.
+    Inductor's CUDA graph partitions pass values between them as they are: when the peak-memory order puts an op
+    that ends a partition (a gradients' copy out of the graphs' pool) between a kernel and those nodes, the tuple
+    crosses into the next partition, whose CUDA graph trees see its tensors alive in their pool but not among any
+    partition's outputs, and raise (pytorch/pytorch#193953; DPO in bf16 on the H200, where the padded attention's
+    backward met a copy). Taking an output out of its tuple reads nothing else, so the move keeps the order valid
+    and every buffer's lifetime as it was."""
+    taken_out = {}
+    for node in nodes:
+        if isinstance(node.node, ir.MultiOutput):
+            taken_out.setdefault(node.node.inputs[0].get_name(), []).append(node)
+    if not taken_out:
+        return nodes
+    moved = {id(node) for group in taken_out.values() for node in group}
+    ordered = []
+
+    def place(node):
+        ordered.append(node)
+        for name in node.get_buffer_names():
+            for output in taken_out.pop(name, ()):
+                place(output)
+
+    for node in nodes:
+        if id(node) not in moved:
+            place(node)
+    return ordered if len(ordered) == len(nodes) else nodes  # a tuple made elsewhere: the order as it was
+
+
+def keep_extracted_outputs_in_their_partition() -> None:
+    """Wraps Inductor's peak-memory reordering, the scheduler's last, with extracted_outputs_beside_their_kernel
+    wherever a graph is split into CUDA graph partitions (graphopt's cuda_graphs). The scheduler imports the
+    function when it runs it."""
+    reorder = memory.reorder_for_peak_memory
+    if getattr(reorder, "graphopt", False):
+        return
+
+    def reorder_for_peak_memory(*args, **kwargs):
+        nodes = reorder(*args, **kwargs)
+        return extracted_outputs_beside_their_kernel(nodes) if inductor_config.graph_partition else nodes
+
+    reorder_for_peak_memory.graphopt = True
+    memory.reorder_for_peak_memory = reorder_for_peak_memory
 
 
 # In compiled graphs these are decomposed below autograd: Inductor then fuses them with their neighbours (the

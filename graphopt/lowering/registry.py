@@ -16,6 +16,7 @@ except ImportError as error:
 else:
     cuda.register()
     cuda.expandable_segments_on_import()
+    cuda.keep_extracted_outputs_in_their_partition()
 
 
 _REFERENCES = {op: "pure-torch reference (kernels/reference.py)" for op in ops.ALL_OPS}

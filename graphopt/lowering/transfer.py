@@ -30,6 +30,7 @@ _free_buffers = {}  # device → pinned host buffers (bytes) no saved tensor hol
 _host_of = {}  # token address → (the pinned buffer, the tensor: a view of its first bytes)
 _copy_done = {}  # token address → the event after its copy out
 _prefetched = {}  # token address → (device tensor, event after its copy in, prefetch batch)
+_held_for_graphs = []  # pinned buffers that a recorded CUDA graph may still write: never freed nor reused
 _batch = 0
 
 
@@ -55,6 +56,7 @@ def offload(x: torch.Tensor, after: list, keep: list, wait: bool) -> torch.Tenso
         compute.wait_event(done)
     else:
         _copy_done[token.data_ptr()] = done
+    _retire(token)
     _host_of[token.data_ptr()] = (buffer, host)
     return token
 
@@ -91,6 +93,19 @@ def _take_buffer(x):
             f"finds none free. Run one forward at a time before its backward, or compile with "
             f"options={{'cuda_graphs': False}}")
     return torch.empty(1 << max(size - 1, 0).bit_length(), dtype=torch.uint8, device="cpu", pin_memory=True)
+
+
+def _retire(token):
+    """A new token at the address of one still holding a buffer: that tensor was never reloaded (a backward
+    abandoned, or the CUDA graphs that saved it are gone). Its buffer is never freed here: freed during a capture,
+    torch's host allocator records its event in the captured stream, and the next capture fails as it starts
+    (empty_cache cannot query that event: "CUDA error: invalid argument"). Eagerly the buffer goes back to the free
+    ones (a live graph's tokens are in its pool, which no eager tensor shares); under a capture it may still be a
+    recorded graph's (the pool's addresses are reused within it), so it stays held."""
+    stale = _host_of.pop(token.data_ptr(), None)
+    if stale is not None:
+        held = _held_for_graphs if torch.cuda.is_current_stream_capturing() else _free_buffers[token.device]
+        held.append(stale[0])
 
 
 def _release(token):
