@@ -155,8 +155,9 @@ def extracted_outputs_beside_their_kernel(nodes: list) -> list:
 
 def keep_extracted_outputs_in_their_partition() -> None:
     """Wraps Inductor's peak-memory reordering, the scheduler's last, with extracted_outputs_beside_their_kernel
-    wherever a graph is split into CUDA graph partitions (graphopt's cuda_graphs). The scheduler imports the
-    function when it runs it."""
+    wherever a graph is split into CUDA graph partitions: graphopt's cuda_graphs, and any other Inductor compile
+    with graph_partition on in this process (the move changes no result). The scheduler imports the function when
+    it runs it."""
     reorder = memory.reorder_for_peak_memory
     if getattr(reorder, "graphopt", False):
         return
