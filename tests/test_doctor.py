@@ -148,4 +148,6 @@ def test_command_line_doctor_is_quick():
     run = subprocess.run([sys.executable, "-m", "graphopt", "doctor"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "every op runs on this device" in run.stdout
-    assert time.perf_counter() - start < 30
+    # no compile (minutes on a 2-core machine); importing graphopt alone takes 10 s on a slow 2-core machine, and
+    # 47 s were measured there with the suite's other worker busy
+    assert time.perf_counter() - start < 90
