@@ -1,6 +1,6 @@
 """Shared test setup, kept minimal: the Triton interpreter for CPU-only runs, Inductor's FX graph cache off, one
-hypothesis profile, a fresh Dynamo for tests that compile under their own options, and every plan a test publishes
-checked against docs/plan.schema.json."""
+thread and no SIMD per xdist process on the CPU, one hypothesis profile, a fresh Dynamo for tests that compile
+under their own options, and every plan a test publishes checked against docs/plan.schema.json."""
 
 import dataclasses
 import json
@@ -24,6 +24,13 @@ from jsonschema import Draft202012Validator  # noqa: E402
 # (few tests compile the same graph), and a hit would skip the compile path a test means to exercise.
 # tests/test_compile_cache.py turns it on where the cache is the subject.
 torch._inductor.config.fx_graph_cache = False
+
+# The suite is compile-bound: a process per core (pytest-xdist), tiny tensors. One thread each keeps the processes
+# off each other's cores, and Inductor's C++ without SIMD (at::vec) costs gcc and the code generator less; the
+# demo's and the distributed tests' own processes still compile vectorized.
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    torch.set_num_threads(1)
+    torch._inductor.config.cpp.vec_isa_ok = False
 
 settings.register_profile(
     "ci",

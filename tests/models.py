@@ -14,6 +14,9 @@ ARCHITECTURES = {
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"head_dim": 16}),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
 }
+# The architectures whose padded and packed batches compile at a symbolic length too: llama, and phi3 (fused qkv,
+# partial rotary); the others' attention is llama's, and a symbolic compile costs CI twice a static one.
+SYMBOLIC_LENGTH = {"llama", "phi3"}
 
 
 def rms_norm_modules(model) -> int:
