@@ -2,7 +2,7 @@
 size, and tensor layouts.
 
 AMD's settings are derived by rule from NVIDIA's, which were measured on the H200; none was measured on AMD
-hardware (there was none to tune on). Every kernel is compiled for gfx942, gfx90a and gfx1100 in CI
+hardware (there was none to tune on). Every kernel is compiled for gfx942 and gfx1100 in CI
 (tests/test_aot.py)."""
 
 import functools

@@ -190,7 +190,7 @@ PRECISION = {"cuda": "tf32x3", "cdna": "bf16x6", "rdna": "bf16x6", "cpu": "ieee"
 # reduce_rows the configs in the top two at both shapes (project: BLOCK_K 128 over 64, −10% at 8B, −20% at 1B; reduce_rows: BLOCK_M 32,
 # −25% at 1B, −47% at 8B); add_low_rank and sum_splits within the sweep's noise of the best. AMD, CDNA (MI300
 # gfx942, MI250 gfx90a) and RDNA (gfx1100): CUDA's blocks under two rules, not measured (there is no AMD hardware
-# to tune on); compiled for gfx942, gfx90a and gfx1100 in CI (tests/test_aot.py). 1: the threads per program
+# to tune on); compiled for gfx942 and gfx1100 in CI (tests/test_aot.py). 1: the threads per program
 # CUDA's were tuned with (layout.num_warps): half the num_warps on CDNA's 64-wide wavefronts, the same on RDNA's
 # 32-wide ones. 2: two pipeline stages where a loop feeds tl.dot (project over K, reduce_rows over rows), the depth
 # Triton's AMD stream pipeliner is built for; add_low_rank has no loop and sum_splits no dot, so they keep Triton's

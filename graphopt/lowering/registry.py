@@ -50,7 +50,7 @@ class Lowering:
 def lowering_for(target: str) -> Lowering:
     if target in ("cuda", "hip") and cuda is not None:
         note = "" if target == "cuda" else ("Triton kernels with AMD launch settings per family, CDNA or RDNA "
-                                            "(kernels/layout.py), compiled for gfx942, gfx90a and gfx1100 in CI; "
+                                            "(kernels/layout.py), compiled for gfx942 and gfx1100 in CI; "
                                             "not yet measured on AMD GPUs")
         return Lowering(target, inductor=True, decompositions=dict(cuda.DECOMPOSITIONS),
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda",
