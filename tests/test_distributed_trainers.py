@@ -1,8 +1,7 @@
 """HF Trainer with a DeepSpeed ZeRO-2 config, and QLoRA under FSDP2, with graphopt: two processes on the gloo
 backend. The Trainer, its optimizer's state offloaded to host memory, logs the uncompiled Trainer's losses and
-gradient norms (ZeRO-2 without offload: tests/test_distributed.py, through engine.compile); QLoRA
-under FSDP2 trains as one process, its LoRA fused where the 4-bit weights are kept whole (ignored_params). (DDP,
-FSDP2 and ZeRO-2 on a hand-written loop: tests/test_distributed.py.)"""
+gradient norms; QLoRA under FSDP2 trains as one process, its LoRA fused where the 4-bit weights are kept whole
+(ignored_params). (DDP, FSDP2 and ZeRO-2 without offload on a hand-written loop: tests/test_distributed.py.)"""
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ from texts import VOCAB, pad_batch, sentences
 
 
 def trainer_worker(rank, init, compiled, out):
-    """HF Trainer with a DeepSpeed ZeRO-2 config (its optimizer's state in host memory): the model
-    compiled in place before the Trainer gets it, as README says for one process."""
+    """HF Trainer with a DeepSpeed ZeRO-2 config (its optimizer's state in host memory): the model compiled in
+    place before the Trainer gets it, as README says for one process."""
     torch.set_num_threads(1)
     init_rank(rank, init)
     try:

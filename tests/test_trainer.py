@@ -15,6 +15,11 @@ from texts import VOCAB, pad_batch, sentences
 
 # on the GPU: the same runs with the Triton lowering
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# (bf16, device) of the Trainer runs: bf16=True on the GPU only; on the CPU, tests/test_trl.py's DPO test runs a
+# Trainer under bf16 autocast
+PRECISIONS = [pytest.param(False, "cpu", id="fp32-cpu")] + [
+    pytest.param(bf16, "cuda", id=f"{'bf16=True' if bf16 else 'fp32'}-cuda") for bf16 in (False, True)
+    if "cuda" in DEVICES]
 
 
 def train(tmp_path, compiled: bool, bf16: bool, steps=6, resume=None, save_steps=3, device="cpu"):
@@ -41,10 +46,7 @@ def logged(history, key):
     return [entry[key] for entry in history if key in entry]
 
 
-# bf16=True on the GPU only: on the CPU, tests/test_trl.py's DPO test runs a Trainer under bf16 autocast
-@pytest.mark.parametrize("bf16, device", [(False, "cpu")] + [(bf16, "cuda") for bf16 in (False, True)
-                                                              if "cuda" in DEVICES],
-                         ids=lambda v: {True: "bf16=True", False: "fp32"}.get(v, v))
+@pytest.mark.parametrize("bf16, device", PRECISIONS)
 def test_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device):
     eager_history, eager_adapters, _ = train(tmp_path, compiled=False, bf16=bf16, device=device)
     history, adapters, reports = train(tmp_path, compiled=True, bf16=bf16, device=device)

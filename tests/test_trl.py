@@ -29,6 +29,7 @@ from graphs import capture, count_calls, relative_error
 from models import tiny_lora_model
 from test_linear_ce import IGNORE, LargestTensor
 from test_linear_ce import problem as lm_head_problem
+from test_trainer import DEVICES, PRECISIONS
 from texts import VOCAB, sentences
 
 OP = torch.ops.graphopt.linear_logprobs.default
@@ -394,8 +395,7 @@ def test_other_trl_releases_are_not_exposed_and_say_so(monkeypatch):
 # --- TRL's trainers on a model compiled by graphopt ----------------------------------------------------------------
 
 PREFERENCES = Path(__file__).parent / "data" / "preferences.json"  # prompt / chosen / rejected triples
-# on the GPU: every trainer again with the Triton lowering (and CUDA graphs where the shapes are static)
-TRAINER_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# DEVICES: on the GPU every trainer runs again with the Triton lowering (and CUDA graphs where the shapes are static)
 
 
 def preferences():
@@ -472,10 +472,7 @@ def assert_same_training(eager, compiled, keys, bf16, device="cpu"):
     return [report for report in reports if report not in heads]
 
 
-# bf16=True on the GPU only: on the CPU, DPO's test below runs the Trainer under bf16 autocast
-@pytest.mark.parametrize("bf16, device", [(False, "cpu")] + [(bf16, "cuda") for bf16 in (False, True)
-                                                              if "cuda" in TRAINER_DEVICES],
-                         ids=lambda v: {True: "bf16=True", False: "fp32"}.get(v, v))
+@pytest.mark.parametrize("bf16, device", PRECISIONS)
 def test_sft_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device):
     """SFT on the demo text: batches padded to their own length (the first compiles static, the next dynamic),
     gradient accumulation 2; per-step loss, grad_norm, entropy and token accuracy (TRL's head computes the last
@@ -488,7 +485,7 @@ def test_sft_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device):
     assert len(reports) == 2 and all(report.summary()["lora"] == 14 for report in reports)
 
 
-@pytest.mark.parametrize("device", TRAINER_DEVICES)
+@pytest.mark.parametrize("device", DEVICES)
 def test_sft_trainer_with_packing_matches_the_uncompiled_trainer(tmp_path, device):
     """SFTConfig(packing=True): documents packed into rows of max_length, padding-free (position_ids restart per
     document), so attention is graphopt::packed_attention; loss, grad_norm and adapters as uncompiled, fp32."""
@@ -499,7 +496,7 @@ def test_sft_trainer_with_packing_matches_the_uncompiled_trainer(tmp_path, devic
     assert all(report.summary().get("attention_packed") == 1 for report in reports)
 
 
-@pytest.mark.parametrize("device", TRAINER_DEVICES)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16=True"])
 def test_dpo_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device):
     """DPO on tests/data/preferences.json: the policy's forward and the reference's (adapters off, no gradients)
@@ -525,7 +522,7 @@ def test_dpo_with_batches_padded_to_one_length_keeps_cuda_graphs_in_bf16(tmp_pat
     assert training and all(report.cuda_graphs["on"] for report in training)
 
 
-@pytest.mark.parametrize("device", TRAINER_DEVICES)
+@pytest.mark.parametrize("device", DEVICES)
 def test_kto_trainer_matches_the_uncompiled_trainer(tmp_path, device):
     """KTO on the preference set unpaired: the policy's forward, the KL forward on mismatched pairs (no gradients)
     and the reference's through the frozen "ref" adapter TRL adds beside the trained one. The second step's rewards
@@ -542,7 +539,7 @@ def test_kto_trainer_matches_the_uncompiled_trainer(tmp_path, device):
 @pytest.mark.parametrize("trainer_cls, config_cls, keys", [
     (trl.GRPOTrainer, trl.GRPOConfig, ("loss", "grad_norm", "reward")),
     (trl.RLOOTrainer, trl.RLOOConfig, ("grad_norm", "reward"))], ids=["GRPO", "RLOO"])
-@pytest.mark.parametrize("device", TRAINER_DEVICES)
+@pytest.mark.parametrize("device", DEVICES)
 def test_online_trainers_match_the_uncompiled_trainer(tmp_path, trainer_cls, config_cls, keys, device):
     """GRPO and RLOO on the preference set's prompts, rewarded by completion length: completions are sampled
     through `generate` (eager, the same draws in both runs), their log-probs through the compiled forward. RLOO's
