@@ -26,9 +26,12 @@ from jsonschema import Draft202012Validator  # noqa: E402
 torch._inductor.config.fx_graph_cache = False
 
 # The suite is compile-bound: a process per core (pytest-xdist), tiny tensors. One thread each keeps the processes
-# off each other's cores, and Inductor's C++ without SIMD (at::vec) costs gcc and the code generator less; the
-# demo's and the distributed tests' own processes still compile vectorized.
+# off each other's cores, and Inductor's C++ without SIMD (at::vec) costs gcc and the code generator less. Set in
+# the environment too, so that the processes a test starts (distributed ranks, a later process reading a plan
+# directory's compiled files, the demo) compile as the test's own process does: a plan directory's files are keyed
+# by these settings.
 if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    os.environ.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_VEC_ISA_OK="0")
     torch.set_num_threads(1)
     torch._inductor.config.cpp.vec_isa_ok = False
 

@@ -21,8 +21,9 @@ from models import tiny_lora_model
 from ranks import IDS, WORLD, init_rank, spawn
 
 STEPS = 3
-# Wide enough that the adapters' gradients (~1.5 MiB) fill more than one of DDP's 1 MiB buckets
-WIDE = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4)
+# Wide enough that the adapters' gradients (1.4 MiB over the 2 layers) fill more than one of DDP's 1 MiB buckets
+# (the least bucket Dynamo's DDP optimizer accepts: its first is 1 MiB)
+WIDE = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=4)
 
 
 def train(forward, model, ids):
@@ -131,7 +132,7 @@ def test_several_processes_train_as_one_and_say_how(engine, one_process):
             assert len(rank["plans"]) == 1 and setups[0]["split"] is None and found == fusions
             assert "the step one graph" in rank["text"]
         elif engine == "fsdp2":  # FSDP2's hooks run between graphs: one per sharded layer, the fusions all found
-            assert len(rank["plans"]) > WIDE["num_hidden_layers"] and found == fusions
+            assert len(rank["plans"]) > 2 and found == fusions  # 2 decoder layers
             assert "FSDP2" in rank["text"]
         else:  # ZeRO-2's hooks run as the backward hands each gradient over: one graph
             assert len(rank["plans"]) == 1 and found == fusions and "DeepSpeed ZeRO-1/2" in rank["text"]

@@ -26,11 +26,16 @@ TESTS = Path(__file__).parent
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
+def one_layer(arch="llama"):
+    """The tiny model with one decoder layer: compiles are this module's time."""
+    return tiny_lora_model(arch, num_hidden_layers=1)
+
+
 @pytest.fixture(scope="module")
 def plan_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan")
     with fresh_cache():
-        graphopt.optimize(tiny_lora_model("llama"), {"input_ids": IDS, "labels": IDS}, out)
+        graphopt.optimize(one_layer(), {"input_ids": IDS, "labels": IDS}, out)
     return out
 
 
@@ -55,8 +60,7 @@ sys.path.insert(0, {tests!r})
 import test_plan_dir
 from torch._dynamo.utils import counters
 import graphopt
-from models import tiny_lora_model
-model = tiny_lora_model("llama")
+model = test_plan_dir.one_layer()
 losses, adapters = test_plan_dir.train(model, {{"plan": {plan!r}}})
 torch.save(adapters, {adapters!r})
 print(json.dumps({{"losses": losses, "inductor": dict(counters["inductor"]),
@@ -82,7 +86,7 @@ def test_optimize_writes_the_plan_directory(plan_dir):
 
 
 def test_optimize_leaves_the_model_as_it_was(tmp_path):
-    model = tiny_lora_model("llama")
+    model = one_layer()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     rng = torch.random.get_rng_state()
     graphopt.optimize(model, {"input_ids": IDS, "labels": IDS}, tmp_path / "plan")
@@ -94,7 +98,7 @@ def test_optimize_leaves_the_model_as_it_was(tmp_path):
 def test_a_later_process_trains_from_the_plan_as_a_cold_compile_does(plan_dir, tmp_path):
     """A fresh process with an empty Inductor cache: both graphs come from the plan's compiled files, and the losses and
     adapters after two steps equal a cold compile's."""
-    cold_losses, cold_adapters = train(tiny_lora_model("llama"), {})
+    cold_losses, cold_adapters = train(one_layer(), {})
     script = LATER_PROCESS.format(tests=str(TESTS), plan=str(plan_dir), adapters=str(tmp_path / "adapters.pt"))
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=TESTS,
@@ -115,7 +119,7 @@ def test_the_plan_gives_the_same_fusions_and_decisions(plan_dir, fresh_dynamo):
     saved = graphopt.Plan.from_json(json.loads((plan_dir / "plan.json").read_text())["graphs"][0])
     served = torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]
     with fresh_cache():
-        train(tiny_lora_model("llama"), {"plan": str(plan_dir)}, steps=1)
+        train(one_layer(), {"plan": str(plan_dir)}, steps=1)
     plan = graphopt.last_report()
     assert [(r.pattern, r.key) for r in plan.fusions] == [(r.pattern, r.key) for r in saved.fusions]
     assert torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"] == served + 1
@@ -124,7 +128,7 @@ def test_the_plan_gives_the_same_fusions_and_decisions(plan_dir, fresh_dynamo):
 
 
 def test_another_batch_shape_compiles_anew_with_the_plans_options(plan_dir, fresh_dynamo):
-    model = tiny_lora_model("llama")
+    model = one_layer()
     ids = IDS[:1]
     torch.compile(model, backend="graphopt", options={"plan": str(plan_dir)})(input_ids=ids, labels=ids)
     assert any("compiled anew" in note for note in graphopt.last_report().notes)
@@ -145,7 +149,7 @@ def copy_with(plan_dir, tmp_path, edit):
 
 def compile_with(path, arch="llama"):
     torch._dynamo.reset()
-    model = tiny_lora_model(arch)
+    model = one_layer(arch)
     try:
         torch.compile(model, backend="graphopt", options={"plan": str(path)})(input_ids=IDS, labels=IDS)
     finally:
@@ -194,7 +198,7 @@ def test_plan_option_errors(raw, message, plan_dir):
 def test_optimize_refuses_a_directory_of_other_files(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="holds files and no plan"):
-        graphopt.optimize(tiny_lora_model("llama"), {"input_ids": IDS}, tmp_path)
+        graphopt.optimize(one_layer(), {"input_ids": IDS}, tmp_path)
 
 
 def test_the_command_line_optimizes_a_config_directory(tmp_path):
@@ -229,7 +233,7 @@ def test_a_factory_model_is_trained_as_it_is_or_given_lora():
 def test_a_plan_directory_written_again_is_read_again(tmp_path):
     """Within one process: optimize into a directory, compile with it, optimize into it again with other options;
     the next compile gets the new decisions."""
-    model = tiny_lora_model("llama")
+    model = one_layer()
     for budget in (1, 0):
         with fresh_cache():
             graphopt.optimize(model, {"input_ids": IDS, "labels": IDS}, tmp_path, {"memory_budget": budget})

@@ -110,18 +110,26 @@ def test_cost_model_prices_fused_ops_by_their_matmuls():
     assert flops(torch.ops.graphopt.rms_norm, x, torch.ones(hidden), 1e-6, 0.0, torch.float32) == 0
 
 
-def test_auto_picks_the_fastest_plan_its_estimate_fits(monkeypatch):
+@pytest.fixture(scope="module")
+def auto_case():
+    """What the "auto" tests size their limits around: a 3-layer model, a batch long enough (2 × 256) that budget 0
+    estimates well under budget 1, and the estimated peaks of those two budgets."""
+    model = tiny_lora_model("llama", num_hidden_layers=3)
+    ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(0))
+    peaks = {b: loss_grads_and_saved(model, ids, b)[2]["estimate"]["estimated_peak_bytes"] for b in (1, 0)}
+    assert peaks[0] < peaks[1]
+    return model, ids, peaks
+
+
+def test_auto_picks_the_fastest_plan_its_estimate_fits(auto_case, monkeypatch):
     """memory_budget="auto": budget 1 when it fits; else the largest budget that fits; else budget 0 with offload,
     the leanest plan there is, with every plan tried in the report. Each choice computes what eager computes.
     (The reserve for what the graphs do not show is sized for real models: here the limits are set around the
     tiny model's estimates, with the reserve added back.)"""
     reserve = recompute.UNSEEN_RESERVE_GIB * 2**30
-    model = tiny_lora_model("llama", num_hidden_layers=3)
-    ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(0))
+    model, ids, peaks = auto_case
     model.zero_grad(set_to_none=True)
     eager_loss = model(input_ids=ids, labels=ids).loss
-    peaks = {b: loss_grads_and_saved(model, ids, b)[2]["estimate"]["estimated_peak_bytes"] for b in (1, 0)}
-    assert peaks[0] < peaks[1]
 
     def auto(limit_bytes, cuda_graphs="auto"):
         torch._dynamo.reset()
@@ -152,14 +160,12 @@ def test_auto_picks_the_fastest_plan_its_estimate_fits(monkeypatch):
     assert [t["offload"] for t in graphs["auto"]["tried"]] == [False, False, True]
 
 
-def test_auto_without_a_limit_sizes_the_plan_to_the_weights(monkeypatch):
+def test_auto_without_a_limit_sizes_the_plan_to_the_weights(auto_case, monkeypatch):
     """memory_budget="auto" alone: the estimate must fit WEIGHTS_MULTIPLE × the bytes of the parameters the graph
     reads. The multiple is set around the tiny model's estimates: budget 1 when it fits, else the largest that
     fits; nothing fits: budget 0 on the device, never offload (asked for by no one)."""
-    model = tiny_lora_model("llama", num_hidden_layers=3)
+    model, ids, peaks = auto_case
     weights = sum(p.nbytes for p in model.parameters())
-    ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(0))
-    peaks = {b: loss_grads_and_saved(model, ids, b)[2]["estimate"]["estimated_peak_bytes"] for b in (1, 0)}
 
     def auto(multiple):
         monkeypatch.setattr(recompute, "WEIGHTS_MULTIPLE", multiple)

@@ -478,11 +478,11 @@ def test_sft_trainer_matches_the_uncompiled_trainer(tmp_path, bf16, device):
     gradient accumulation 2; per-step loss, grad_norm, entropy and token accuracy (TRL's head computes the last
     two), and the final adapters."""
     data = demo_texts(16)
-    runs = [train(trl.SFTTrainer, trl.SFTConfig, data, tmp_path, compiled, bf16, layers=2, device=device)
+    runs = [train(trl.SFTTrainer, trl.SFTConfig, data, tmp_path, compiled, bf16, layers=1, device=device)
             for compiled in (0, 1)]
     keys = ("loss", "grad_norm", "entropy") + (() if bf16 else ("mean_token_accuracy",))  # bf16: near ties flip
     reports = assert_same_training(*runs, keys, bf16, device)
-    assert len(reports) == 2 and all(report.summary()["lora"] == 14 for report in reports)
+    assert len(reports) == 2 and all(report.summary()["lora"] == 7 for report in reports)
 
 
 @pytest.mark.parametrize("device", DEVICES)
