@@ -14,6 +14,10 @@ ARCHITECTURES = {
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"head_dim": 16}),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
 }
+# The architectures whose decoder layers differ for graphopt's passes: llama, gemma (GeGLU, its norm's 1 + weight),
+# phi3 (fused qkv and gate/up projections, partial rotary). mistral's layers are llama's, qwen2's are llama's with a
+# q/k/v bias: the tests that cost CI most run these three only.
+DISTINCT = ("gemma", "llama", "phi3")
 # The architectures whose padded and packed batches compile at a symbolic length too: llama, and phi3 (fused qkv,
 # partial rotary); the others' attention is llama's, and a symbolic compile costs CI twice a static one.
 SYMBOLIC_LENGTH = {"llama", "phi3"}

@@ -8,7 +8,7 @@ import torch
 
 import graphopt
 from graphs import relative_error
-from models import adapted_layers, rms_norm_modules, tiny_lora_model
+from models import DISTINCT, adapted_layers, rms_norm_modules, tiny_lora_model
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
 # on the GPU: the same comparisons under CUDA autocast, with the Triton lowering
@@ -74,10 +74,9 @@ def expected_fusions(model, arch):
             "lora": len(adapted_layers(model)), "linear_cross_entropy": 1}
 
 
-# mistral's layers are llama's, and qwen2's (llama's with a q/k/v bias) run under bf16 autocast in
-# test_autocast_entered_inside_the_compiled_forward
+# qwen2's q/k/v bias runs under bf16 autocast in test_autocast_entered_inside_the_compiled_forward
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("arch", ["gemma", "llama", "phi3"])
+@pytest.mark.parametrize("arch", DISTINCT)
 def test_fp32_weights_under_bf16_autocast(arch, device):
     """HF Trainer's bf16=True: fp32 weights and adapters, the forward under bf16 autocast."""
     model = tiny_lora_model(arch).to(device)

@@ -9,7 +9,7 @@ import torch
 
 import graphopt
 from graphopt.explain import NOTE, explain
-from models import COMMON, tiny_lora_model
+from models import COMMON, DISTINCT, tiny_lora_model
 
 IDS = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
 
@@ -18,9 +18,7 @@ def fusions_and_misses(plan):
     return plan.summary(), sorted((r.pattern, r.module) for r in plan.misses)
 
 
-# gemma (GeGLU, its own norm), llama, phi3 (fused projections, partial rotary): mistral's and qwen2's layers are
-# llama's, qwen2's with a q/k/v bias
-@pytest.mark.parametrize("arch", ["gemma", "llama", "phi3"])
+@pytest.mark.parametrize("arch", DISTINCT)
 def test_explain_lists_the_fusions_training_finds(arch, fresh_dynamo):
     model = tiny_lora_model(arch)
     compiled = torch.compile(model, backend="graphopt")

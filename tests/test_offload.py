@@ -60,8 +60,8 @@ def copies(monkeypatch, force_offload_copies):
 
 
 def test_on_the_cpu_offload_is_planned_and_reported_and_copies_nothing(copies):
-    """The plan reads the graph's saved tensors, whatever the architecture; test_forced_copies_compute_what_eager_
-    computes runs gemma's as well."""
+    """The plan reads the graph's saved tensors, whatever the architecture; the forced-copies test below runs
+    gemma's as well."""
     model = tiny_lora_model("llama")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     expected = eager_loss_and_grads(model, ids)
