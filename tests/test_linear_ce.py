@@ -14,7 +14,7 @@ from graphopt.kernels import cross_entropy, reference
 from graphopt.passes import fuse_linear_ce
 from graphopt.passes.fuse_linear_ce import fuse_linear_ce as fuse
 from graphs import count_calls, first_output, relative_error, run_pass
-from models import tiny_lora_model
+from models import COMMON, tiny_lora_model
 
 OP = torch.ops.graphopt.linear_cross_entropy.default
 IGNORE = -100
@@ -224,13 +224,18 @@ def test_chunk_size_follows_the_byte_budget():
 class LMHeadLoss(torch.nn.Module):
     """HF's loss shape on a small lm_head, with knobs for the cases the pass must leave alone."""
 
-    def __init__(self, vocab=50, width=16, upcast=True, softcap=0.0, **loss_kwargs):
+    def __init__(self, vocab=50, width=16, upcast=True, softcap=0.0, divisor=1.0, multiplier=1.0, **loss_kwargs):
         super().__init__()
         self.lm_head = torch.nn.Linear(width, vocab, bias=False)
         self.upcast, self.softcap, self.loss_kwargs = upcast, softcap, loss_kwargs
+        self.divisor, self.multiplier = divisor, multiplier  # Granite's logits_scaling, Cohere's logit_scale
 
     def forward(self, hidden, labels):
         logits = self.lm_head(hidden)
+        if self.divisor != 1.0:
+            logits = logits / self.divisor
+        if self.multiplier != 1.0:
+            logits = logits * self.multiplier
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         scores = logits.float() if self.upcast else logits
@@ -243,14 +248,15 @@ def hidden_and_labels(dtype=torch.float32):
     return torch.randn(2, 12, 16, generator=g).to(dtype).requires_grad_(), torch.randint(0, 50, (2, 12), generator=g)
 
 
-@pytest.mark.parametrize("softcap, loss_kwargs", [(0.0, {}), (5.0, {}), (0.0, {"reduction": "sum"}),
-                                                  (0.0, {"ignore_index": 0})])
-def test_pass_fuses_hf_loss_and_computes_the_same(softcap, loss_kwargs):
-    model = LMHeadLoss(softcap=softcap, **loss_kwargs)
+@pytest.mark.parametrize("knobs", [{}, {"softcap": 5.0}, {"reduction": "sum"}, {"ignore_index": 0},
+                                   {"divisor": 8.0}, {"multiplier": 0.0625, "softcap": 5.0}])
+def test_pass_fuses_hf_loss_and_computes_the_same(knobs):
+    model = LMHeadLoss(**knobs)
     gm, inputs, expected, report, fused = run_pass(fuse, model, *hidden_and_labels())
     assert fused == 1 and report.summary() == {"linear_cross_entropy": 1} and report.misses == []
     assert count_calls(gm, F.cross_entropy) == 0 and count_calls(gm, OP) == 1
     assert count_calls(gm, torch._C._nn.linear) == 0  # the logits were not a graph output here: gone
+    assert count_calls(gm, torch.div) == 0  # a logit scale moves onto the hidden states, as a multiply
     assert relative_error(first_output(gm, inputs), expected) <= 1e-6
 
 
@@ -259,6 +265,7 @@ def test_pass_fuses_hf_loss_and_computes_the_same(softcap, loss_kwargs):
     ({"reduction": "none"}, True, torch.float32, "reduction='none'"),
     ({"weight": torch.rand(50)}, True, torch.float32, "class weights"),
     ({}, False, torch.bfloat16, "bfloat16 logits"),
+    ({"divisor": 3.0}, True, torch.float32, "scaled by 0.333333, not a power of two"),
 ])
 def test_pass_leaves_what_it_cannot_prove_with_a_reason(loss_kwargs, upcast, dtype, reason):
     model = LMHeadLoss(upcast=upcast, **loss_kwargs).to(dtype)
@@ -344,6 +351,23 @@ def test_gemma2_final_logit_softcapping():
     _, _, report = compiled_and_eager(model, IDS)
     assert report.summary()["linear_cross_entropy"] == 1
     assert [r.module for r in report.fusions if r.pattern == "linear_cross_entropy"] == ["base_model.model.lm_head"]
+
+
+ONE_LAYER = {**COMMON, "num_hidden_layers": 1}
+
+
+@pytest.mark.parametrize("config", [
+    transformers.GraniteConfig(logits_scaling=8.0, **ONE_LAYER),  # logits / 8
+    transformers.CohereConfig(logit_scale=0.0625, **ONE_LAYER),  # logits · 1/16
+], ids=["granite", "cohere"])
+def test_a_power_of_two_logit_scale_fuses_and_trains_as_eager(config):
+    import peft
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
+                                peft.LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+    _, _, report = compiled_and_eager(model, IDS)
+    assert report.summary()["linear_cross_entropy"] == 1
 
 
 def test_evaluation_keeps_logits_and_says_why():

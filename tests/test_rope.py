@@ -271,6 +271,14 @@ def k_from_rotated_q(q, k, cos, sin):  # no single point where both inputs exist
     return torch.cat([q_out, _rope_full(k + q_out[:, :2], cos, sin)], dim=1)
 
 
+def interleaved(q, k, cos, sin):  # Cohere's, GLM's and Helium's rotate_half: adjacent features paired
+    def rotate(x):
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat([q * cos + rotate(q) * sin, k * cos + rotate(k) * sin], dim=1)
+
+
 def flat_rope(q, k, cos, sin):  # q and k of different batch sizes (one output tensor, whatever the shapes)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     return torch.cat([_rope_full(q, c, s).flatten(), _rope_full(k, c, s).flatten()])
@@ -280,6 +288,7 @@ def flat_rope(q, k, cos, sin):  # q and k of different batch sizes (one output t
     (lone_q, {}, ["a lone q or k rotation"]),
     (rotate_half_reused, {}, ["is also read outside it", "a lone q or k rotation"]),
     (lower_half_negated, {}, ["is not rotate_half"] * 2),
+    (interleaved, {}, ["interleaved rotary"] * 2),
     (seq_major, {}, ["unsqueezed at dim 1"] * 2),
     (without_heads, {}, ["not [batch, heads, seq, head_dim]"] * 2),
     (k_from_rotated_q, {}, ["k's input is computed after q's rotation is used"] * 2),

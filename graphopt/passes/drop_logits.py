@@ -2,9 +2,10 @@
 
 HF returns the logits beside the loss, so they are a graph output even when nobody reads them. For each logits
 node passes/fuse_linear_ce.py tagged (its loss fused with gradients), the graph output becomes a zero-cost
-stand-in of the same shape and dtype (a detached broadcast view of the lm_head input), and the lm_head projection and
-softcapping that only fed it are erased. The backend hands the stand-in back as graphopt.LogitsNotMaterialized,
-which raises, naming keep_logits=True, on any use. Logits the graph itself reads elsewhere stay computed.
+stand-in of the same shape and dtype (a detached broadcast view of the lm_head input), and the lm_head projection,
+scaling and softcapping that only fed it are erased. The backend hands the stand-in back as
+graphopt.LogitsNotMaterialized, which raises, naming keep_logits=True, on any use. Logits the graph itself reads
+elsewhere stay computed.
 """
 
 import operator
@@ -22,7 +23,7 @@ def drop_logits(gm: GraphModule, report) -> list:
     outputs = list(output.args[0])
     positions = []
     for logits in [n for n in gm.graph.nodes if n.meta.get(FUSED_LOSS_TAG)]:
-        lm_head, _, producers = logits_producer(logits)
+        lm_head, _, _, producers = logits_producer(logits)
         where = module_path(lm_head)
         if any(user is not output for user in logits.users):
             report.notes.append(f"{PATTERN} at {where}: logits kept, the graph also reads them")

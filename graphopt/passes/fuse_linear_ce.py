@@ -1,8 +1,11 @@
 """lm_head + cross-entropy → graphopt::linear_cross_entropy, which never holds the [tokens × vocab] logits at once.
 
 Matches (after passes/normalize.py) HF's causal-LM loss on top of its lm_head:
-  logits = linear(h, W[, b])  [→ c·tanh(logits / c), Gemma-2's final softcapping]        (the model's logits)
+  logits = linear(h, W[, b])  [→ logits / s or logits · s, Granite's and Cohere's logit scale]
+                              [→ c·tanh(logits / c), Gemma-2's final softcapping]        (the model's logits)
   → [.to(float32)] → .view(-1, V) → F.cross_entropy(·, target, ignore_index=i, reduction="mean" | "sum")
+A logit scale that is a power of two moves onto h, where it is exact (scaling by 2^n rounds nothing, in the
+matmul's inputs as in its output); another scale stays unfused with a miss.
 HF's gradient-accumulation form (a "sum" divided by num_items_in_batch) keeps its division in the graph.
 The logits node itself may also be a graph output: with keep_logits it stays computed as before, otherwise
 passes/drop_logits.py removes it. Every F.cross_entropy is a candidate; one that does not match in full (class
@@ -33,10 +36,22 @@ LOGITS_CHUNK_BYTES = 256 * 2**20
 FUSED_LOSS_TAG = "graphopt_fused_loss_logits"
 
 
+def _scaled(node: Node):
+    """(x, s) for x / c (s = 1 / c) or x · c (s = c) with a constant c; None for any other node."""
+    if not (isinstance(node, Node) and len(node.args) == 2 and not node.kwargs):
+        return None
+    a, b = node.args
+    if is_call(node, torch.div) and is_tensor(a) and is_scalar(b) and b != 0:
+        return a, 1.0 / b
+    if is_call(node, torch.mul) and is_scalar(a) != is_scalar(b):
+        return (b, float(a)) if is_scalar(a) else (a, float(b))
+    return None
+
+
 def logits_producer(logits: Node):
-    """(lm_head linear node, softcap c or 0.0, nodes from logits back to the linear) for HF's logits; Miss if the
-    logits are not a linear projection, optionally softcapped."""
-    softcap, nodes, node = 0.0, [], logits
+    """(lm_head linear node, the logit scale s or 1.0, softcap c or 0.0, nodes from logits back to the linear) for
+    HF's logits; Miss if the logits are not a linear projection, optionally scaled, then optionally softcapped."""
+    softcap, scale, nodes, node = 0.0, 1.0, [], logits
     if is_call(node, torch.mul) and len(node.args) == 2 and is_call(node.args[0], torch.tanh) and is_scalar(
             node.args[1]):
         tanh = node.args[0]
@@ -46,11 +61,19 @@ def logits_producer(logits: Node):
             raise Miss("the logits are scaled by a tanh that is not c·tanh(x / c) softcapping")
         softcap, nodes, node = float(node.args[1]), [node, tanh], div.args[0]
         nodes.append(div)
+    scaled = _scaled(node) if not is_call(node, *_LINEAR) else None
+    if scaled is not None and is_call(scaled[0], *_LINEAR):
+        if nodes and len(node.users) != 1:
+            raise Miss("the scaled logits are used before softcapping")
+        (node, scale), nodes = scaled, nodes + [node]
+        if math.frexp(scale)[0] != 0.5:
+            raise Miss(f"the logits are scaled by {scale:g}, not a power of two: the fused op would scale the "
+                       "hidden states instead, which rounds differently")
     if not is_call(node, *_LINEAR):
         raise Miss("the loss is not computed from a linear projection (lm_head) of hidden states")
     if nodes and len(node.users) != 1:
-        raise Miss("the lm_head output is used before softcapping")
-    return node, softcap, nodes + [node]
+        raise Miss("the lm_head output is used before its scaling or softcapping")
+    return node, scale, softcap, nodes + [node]
 
 
 def _loss_arguments(ce: Node) -> dict:
@@ -91,7 +114,7 @@ def _match(ce: Node, autocast_regions: dict):
         chain, node = chain + [node], node.args[0]
     if any(len(n.users) != 1 for n in chain):
         raise Miss("the flattened or upcast logits are also used outside the loss")
-    lm_head, softcap, producers = logits_producer(node)
+    lm_head, scale, softcap, producers = logits_producer(node)
 
     hidden, weight, bias = (list(lm_head.args) + [lm_head.kwargs.get("bias")] * 3)[:3]
     h, w, rows = value(hidden), value(weight), value(scores).shape[0]
@@ -103,8 +126,11 @@ def _match(ce: Node, autocast_regions: dict):
         raise Miss("the loss rows are not the lm_head's rows flattened in order")
     if bias is not None and value(bias).requires_grad:
         raise Miss("the lm_head bias trains; the fused op keeps it frozen")
+    if bias is not None and scale != 1.0:
+        raise Miss(f"the logits of an lm_head with a bias are scaled by {scale:g}: the fused op scales the hidden "
+                   "states, not the bias")
     return dict(hidden=hidden, weight=weight, bias=bias, target=target, ignore_index=args["ignore_index"],
-                reduction=args["reduction"], softcap=softcap, logits=node, lm_head=lm_head, dead=chain + producers,
+                reduction=args["reduction"], softcap=softcap, scale=scale, logits=node, lm_head=lm_head, dead=chain + producers,
                 grad_hidden=h.requires_grad, grad_weight=w.requires_grad)
 
 
@@ -125,7 +151,11 @@ def fuse_linear_ce(gm: GraphModule, report) -> int:
         record = record_for(m["lm_head"], PATTERN)
         vocab, width = value(m["weight"]).shape
         with gm.graph.inserting_before(ce):
-            rows = gm.graph.call_method("reshape", (m["hidden"], -1, width))
+            hidden = m["hidden"]
+            if m["scale"] != 1.0:  # a power of two: exact on the hidden states as on the logits
+                hidden = gm.graph.call_function(torch.mul, (hidden, m["scale"]))
+                hidden.meta = dict(m["hidden"].meta, example_value=torch.empty_like(value(m["hidden"])))
+            rows = gm.graph.call_method("reshape", (hidden, -1, width))
             op = gm.graph.call_function(torch.ops.graphopt.linear_cross_entropy.default, (
                 rows, m["weight"], m["bias"], m["target"], m["ignore_index"], m["reduction"], m["softcap"],
                 max(1, LOGITS_CHUNK_BYTES // (vocab * 4)), m["grad_hidden"], m["grad_weight"]))

@@ -7,7 +7,8 @@ Gemma and Phi-3, for q and k of shape [B, H, S, D] (transposed views of the proj
   Phi-3 partial rotary (R < D): x = q[..., :R], and the result is cat([·, q[..., R:]], -1)
 The q and k rotations of one attention module that share cos and sin become one node. Every rotate_half (a cat
 of the negated upper and the lower slice of one tensor) is a candidate: one that does not match in full, or is
-left without a partner, stays unfused with a miss record.
+left without a partner, stays unfused with a miss record. So does every interleaved rotate_half (a stack of the
+negated odd and the even features, flattened).
 """
 
 import operator
@@ -23,10 +24,12 @@ from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, only_user,
 from graphopt.passes.rewrite import Miss, check_only_inside, erase_unused
 
 PATTERN = "rope"
+INTERLEAVED = ("interleaved rotary (adjacent features paired, as Cohere, GLM and Helium rotate) is not fused: "
+               "graphopt::rope pairs the two halves of the rotary dim")
 
 
-def _last_dim_slice(node):
-    """(base, start, stop) when node is base[..., start:stop] with constant bounds and step 1; else None."""
+def _last_dim_slice(node, step=1):
+    """(base, start, stop) when node is base[..., start:stop:step] with constant bounds; else None."""
     if not is_call(node, operator.getitem) or not is_tensor(node.args[0]):
         return None
     base, index = node.args
@@ -37,7 +40,7 @@ def _last_dim_slice(node):
     if lead != (Ellipsis,) and lead != (slice(None),) * (ndim - 1):
         return None
     start, stop = last.start or 0, width if last.stop is None else last.stop
-    if last.step not in (None, 1) or not (isinstance(start, int) and isinstance(stop, int)):
+    if (last.step or 1) != step or not (isinstance(start, int) and isinstance(stop, int)):
         return None
     start, stop = (i + width if i < 0 else i for i in (start, stop))
     return base, start, min(stop, width)
@@ -52,6 +55,21 @@ def _rotate_half_input(cat: Node):
     if upper is None or lower is None or upper[0] is not lower[0]:
         return None
     return upper[0]
+
+
+def _interleaved_rotation(flat: Node) -> bool:
+    """Whether flat is stack((neg(x[..., 1::2]), x[..., ::2]), -1).flatten(-2): the rotate_half of interleaved
+    rotary (GPT-J's, which Cohere, GLM and Helium use), pairing adjacent features instead of the two halves."""
+    if not (isinstance(flat, Node) and flat.op == "call_method" and flat.target == "flatten"
+            and flat.args[1:] in ((-2,), (-2, -1))):
+        return False
+    stack = flat.args[0]
+    tensors = stack.args[0] if is_call(stack, torch.stack) and stack.args else None
+    if not (isinstance(tensors, (tuple, list)) and len(tensors) == 2 and is_call(tensors[0], torch.neg)
+            and _dim(stack) in (-1, value(stack).dim() - 1)):
+        return False
+    odd, even = _last_dim_slice(tensors[0].args[0], step=2), _last_dim_slice(tensors[1], step=2)
+    return odd is not None and even is not None and odd[0] is even[0] and (odd[1], even[1]) == (1, 0)
 
 
 def _dim(cat: Node):
@@ -195,6 +213,7 @@ def _contiguous(fake):
 def fuse_rope(gm: GraphModule, report) -> int:
     """Replace each q/k pair of rotations with one graphopt::rope node; record fusions and misses."""
     rotations = []
+    report.misses += [record_for(n, PATTERN, INTERLEAVED) for n in gm.graph.nodes if _interleaved_rotation(n)]
     for cat in [n for n in gm.graph.nodes if is_call(n, torch.cat) and _rotate_half_input(n) is not None]:
         try:
             rotations.append(_match(cat))
