@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import graphopt
 from graphopt.passes import recompute
-from graphopt.passes.fuse_lora import DORA_REASON, fuse_lora
+from graphopt.passes.fuse_lora import DORA_REASON, PARAMETER_REASON, fuse_lora
 from graphopt.passes.describe import module_path
 from graphs import count_calls, first_output, relative_error, run_pass
 from models import ARCHITECTURES, COMMON, adapted_layers, tiny_lora_model
@@ -224,10 +224,9 @@ def test_trainable_base_weight_is_a_clear_error():
 def mlp(dtype=torch.float32, **lora):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).to(dtype)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"], init_lora_weights=False, **lora)
+    config = peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": ["0", "2"], "init_lora_weights": False,
+                                **lora})
     return peft.get_peft_model(model, config)
-
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -397,6 +396,26 @@ def test_compiled_dora_is_reported_and_matches_eager():
                    for m in misses)
     assert relative_error(loss, eager_loss) <= 1e-5
     assert len(grads) == 6 and set(grads) == set(eager_grads)  # lora_A, lora_B, magnitude of each layer
+    for name in grads:
+        assert relative_error(grads[name], eager_grads[name]) <= 1e-5, name
+
+
+def test_lora_on_a_parameter_is_reported_and_matches_eager():
+    """PEFT's ParamWrapper (target_parameters; what all-linear adapts in an MoE model's experts and router) adds B·A
+    to the weight: one miss, for the graph computing that product, beside the plain LoRA layer fused; loss and
+    every gradient equal eager."""
+    model = mlp(target_modules=["2"], target_parameters=["0.weight"])
+    x = torch.randn(3, 16)
+    torch._dynamo.reset()
+    first = len(graphopt.reports())
+    loss, grads = lora_params_loss_and_grads(torch.compile(model, backend="graphopt"), x)
+    reports = graphopt.reports()[first:]
+    eager_loss, eager_grads = lora_params_loss_and_grads(model, x)
+    misses = [m for report in reports for m in report.misses]
+    assert [(m.pattern, m.module, m.reason) for m in misses] == [("lora", "<LoRA on a parameter>", PARAMETER_REASON)]
+    assert [r.pattern for report in reports for r in report.fusions] == ["lora"]  # layer 2, past the break
+    assert relative_error(loss, eager_loss) <= 1e-5
+    assert len(grads) == 4 and set(grads) == set(eager_grads)
     for name in grads:
         assert relative_error(grads[name], eager_grads[name]) <= 1e-5, name
 

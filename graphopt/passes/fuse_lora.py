@@ -37,6 +37,13 @@ it over in one of two forms:
     argument (`L['lora_B']`), with nothing that names the layer. Dynamo reuses these graphs for every DoRA layer
     whose shapes fit (after a recompile, any shapes), so the backend sees fewer graphs than DoRA layers: one miss
     per activation graph, named `<DoRA layer>`, whose reason says it stands for every layer that graph runs.
+
+LoRA on a parameter (PEFT's ParamWrapper: `target_parameters`, and what `all-linear` adapts in an MoE model, its
+experts' weights and its router) is never fused either: PEFT adds B·A to the weight itself, through
+torch.nn.utils.parametrize, and the model multiplies by the sum, so no lora_B linear exists. Dynamo breaks the
+graph inside PEFT there (parametrize's in-place swap of the parameter) and compiles each B·A product
+(`get_delta_weight`, or `get_delta_factors` for experts) as a graph of its own, which names no layer: one miss
+per such graph, named `<LoRA on a parameter>`.
 """
 
 import operator
@@ -60,6 +67,15 @@ DORA_REASON = ("DoRA (use_dora=True) is computed unfused: graphopt::lora_linear 
 DORA_APART = ("; Dynamo compiled PEFT's DoRA forward as a graph of its own (a graph break inside PEFT), which does "
               "not name the layer and is reused for other DoRA layers: this record stands for every DoRA layer "
               "this graph runs")
+
+# PEFT computes a parameter's B·A in these functions; a LoRA layer's forward never calls them in training
+_PARAMETER_DELTA_SOURCE = re.compile(
+    r'File "[^"]*[/\\]peft[/\\]tuners[/\\]lora[/\\]layer\.py", line \d+, in get_delta_(?:weight|factors)\b')
+PARAMETER_REASON = ("LoRA on a parameter (PEFT's ParamWrapper: target_parameters, and an MoE model's experts and "
+                    "router under all-linear) is computed unfused: PEFT adds B·A to the weight itself, where "
+                    "graphopt::lora_linear takes the layer's input; Dynamo compiled the product as a graph of its own "
+                    "(a graph break inside PEFT), which does not name the parameter and may serve others: this "
+                    "record stands for every parameter this graph computes B·A for")
 
 
 def _linear_args(node: Node):
@@ -282,6 +298,12 @@ def fuse_lora(gm: GraphModule, report) -> int:
         op = replace(end, target, (*args, value(end).dtype, *dropout), dead=nodes)
         report.fusions.append(record_for(op, PATTERN_4BIT if quantized else PATTERN))
         fused += 1
+    delta = next((n for n in gm.graph.nodes if _PARAMETER_DELTA_SOURCE.search(n.meta.get("stack_trace") or "")),
+                 None)
+    if delta is not None:
+        record = record_for(delta, PATTERN, PARAMETER_REASON)
+        record.module = "<LoRA on a parameter>"
+        report.misses.append(record)
     _erase_unused_subgraphs(gm)
     gm.recompile()
     return fused
