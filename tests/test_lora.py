@@ -369,6 +369,19 @@ def lora_params_loss_and_grads(model, x):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in params if p.requires_grad}
 
 
+def compiled_as_eager(model, x):
+    """The reports of a graphopt compile of model and the gradients of one step on x, its loss and every gradient
+    checked against eager's."""
+    torch._dynamo.reset()
+    first = len(graphopt.reports())
+    loss, grads = lora_params_loss_and_grads(torch.compile(model, backend="graphopt"), x)
+    eager_loss, eager_grads = lora_params_loss_and_grads(model, x)
+    assert relative_error(loss, eager_loss) <= 1e-5 and set(grads) == set(eager_grads)
+    for name in grads:
+        assert relative_error(grads[name], eager_grads[name]) <= 1e-5, name
+    return graphopt.reports()[first:], grads
+
+
 def test_compiled_dora_is_reported_and_matches_eager():
     """Where Dynamo compiles DoRA depends on the torch version. torch 2.13 + PEFT 0.21: a graph break in PEFT's DoRA
     code makes it skip lora.Linear.forward and compile DoraLinearLayer.forward in two graphs of its own
@@ -377,12 +390,8 @@ def test_compiled_dora_is_reported_and_matches_eager():
     model's graph, one miss per adapted layer under its path. Either way nothing is fused, and loss and every
     LoRA/DoRA gradient equal eager."""
     model = mlp(use_dora=True)
-    x = torch.randn(3, 16)
-    torch._dynamo.reset()
-    first = len(graphopt.reports())
-    loss, grads = lora_params_loss_and_grads(torch.compile(model, backend="graphopt"), x)
-    reports = graphopt.reports()[first:]
-    eager_loss, eager_grads = lora_params_loss_and_grads(model, x)
+    reports, grads = compiled_as_eager(model, torch.randn(3, 16))
+    assert len(grads) == 6  # lora_A, lora_B, magnitude of each layer
     assert not any(r.pattern == "lora" for report in reports for r in report.fusions)
     per_graph = [[m for m in report.misses if m.pattern == "lora"] for report in reports]
     misses = [m for graph in per_graph for m in graph]
@@ -394,30 +403,17 @@ def test_compiled_dora_is_reported_and_matches_eager():
         assert all(len(graph) <= 1 for graph in per_graph)
         assert all(m.module == "<DoRA layer>" and m.reason.startswith(DORA_REASON) and "graph of its own" in m.reason
                    for m in misses)
-    assert relative_error(loss, eager_loss) <= 1e-5
-    assert len(grads) == 6 and set(grads) == set(eager_grads)  # lora_A, lora_B, magnitude of each layer
-    for name in grads:
-        assert relative_error(grads[name], eager_grads[name]) <= 1e-5, name
 
 
 def test_lora_on_a_parameter_is_reported_and_matches_eager():
     """PEFT's ParamWrapper (target_parameters; what all-linear adapts in an MoE model's experts and router) adds B·A
     to the weight: one miss, for the graph computing that product, beside the plain LoRA layer fused; loss and
     every gradient equal eager."""
-    model = mlp(target_modules=["2"], target_parameters=["0.weight"])
-    x = torch.randn(3, 16)
-    torch._dynamo.reset()
-    first = len(graphopt.reports())
-    loss, grads = lora_params_loss_and_grads(torch.compile(model, backend="graphopt"), x)
-    reports = graphopt.reports()[first:]
-    eager_loss, eager_grads = lora_params_loss_and_grads(model, x)
+    reports, grads = compiled_as_eager(mlp(target_modules=["2"], target_parameters=["0.weight"]), torch.randn(3, 16))
+    assert len(grads) == 4
     misses = [m for report in reports for m in report.misses]
     assert [(m.pattern, m.module, m.reason) for m in misses] == [("lora", "<LoRA on a parameter>", PARAMETER_REASON)]
     assert [r.pattern for report in reports for r in report.fusions] == ["lora"]  # layer 2, past the break
-    assert relative_error(loss, eager_loss) <= 1e-5
-    assert len(grads) == 4 and set(grads) == set(eager_grads)
-    for name in grads:
-        assert relative_error(grads[name], eager_grads[name]) <= 1e-5, name
 
 
 @pytest.fixture
