@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,7 @@ from graphopt.kernels import reference
 from graphopt.kernels import rope as kernels
 from graphopt.passes.fuse_rope import fuse_rope
 from graphs import count_calls, first_output, relative_error, run_pass
-from models import tiny_lora_model
+from models import COMMON, tiny_lora_model
 from test_kernel_rmsnorm import DEVICE, DTYPES, TOL
 
 OP = torch.ops.graphopt.rope.default
@@ -221,6 +222,40 @@ def test_pass_fuses_any_shape_with_unchanged_numbers(q_k_heads, head_dim, rotary
     # one rounding instead of HF's three: within a rounding or two of the unfused graph
     tolerance = 1e-6 if dtype == torch.float32 else 2 * TOL[dtype]
     assert relative_error(first_output(gm, example), expected) <= tolerance
+
+
+def gpt_oss_rope(q, k, cos, sin):  # GPT-OSS's form: q and k chunked, cos and sin of half head_dim
+    def rotate(x, c, s):
+        first, second = torch.chunk(x, 2, dim=-1)
+        return torch.cat((first * c - second * s, second * c + first * s), dim=-1)
+
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat([rotate(q, c, s), rotate(k, c, s)], dim=1)
+
+
+@settings(max_examples=10)
+@given(q_k_heads=st.sampled_from(HEADS), head_dim=st.sampled_from([16, 80]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), cos_batch=st.sampled_from([1, 2]),
+       layout=st.sampled_from(["transposed", "contiguous"]))
+def test_pass_fuses_gpt_oss_rotations_with_unchanged_numbers(q_k_heads, head_dim, dtype, cos_batch, layout):
+    """The op gets GPT-OSS's cos and sin repeated over both halves: the rotation rotate_half's form computes."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (heads(2, h, 5, head_dim, dtype, layout, g).cpu() for h in q_k_heads)
+    cos, sin = (torch.randn(cos_batch, 5, head_dim // 2, generator=g).to(dtype) for _ in range(2))
+    gm, example, expected, report, fused = run_pass(fuse_rope, gpt_oss_rope, q, k, cos, sin)
+    assert fused == 1 == count_calls(gm, OP) and report.misses == [] and count_calls(gm, torch.chunk) == 0
+    tolerance = 1e-6 if dtype == torch.float32 else 2 * TOL[dtype]
+    assert relative_error(first_output(gm, example), expected) <= tolerance
+
+
+def test_pass_fuses_every_gpt_oss_attention_layer():
+    config = transformers.GptOssConfig(**{**COMMON, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2})
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    gm, example, expected, report, fused = run_pass(fuse_rope, logits_of(model), ids)
+    assert fused == config.num_hidden_layers == count_calls(gm, OP) and report.misses == []
+    assert relative_error(first_output(gm, example), expected) <= 1e-6
 
 
 @pytest.mark.parametrize("rotary", [16, 8])

@@ -5,10 +5,12 @@ Gemma and Phi-3, for q and k of shape [B, H, S, D] (transposed views of the proj
   c = cos.unsqueeze(1); s = sin.unsqueeze(1)                     cos, sin: [B or 1, S, R], no gradient
   x * c + cat((neg(x[..., R/2:]), x[..., :R/2]), -1) * s          rotate_half is two slices, a neg and a cat
   Phi-3 partial rotary (R < D): x = q[..., :R], and the result is cat([·, q[..., R:]], -1)
+  GPT-OSS: x1, x2 = chunk(x, 2, -1); cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)   cos, sin: [B or 1, S, R/2]
+    the same rotation with cos and sin given once for both halves: the op gets them repeated, cat((c, c), -1)
 The q and k rotations of one attention module that share cos and sin become one node. Every rotate_half (a cat
 of the negated upper and the lower slice of one tensor) is a candidate: one that does not match in full, or is
-left without a partner, stays unfused with a miss record. So does every interleaved rotate_half (a stack of the
-negated odd and the even features, flattened).
+left without a partner, stays unfused with a miss record, and so does every interleaved rotate_half (a stack of
+the negated odd and the even features, flattened). GPT-OSS's form is a candidate only once it matches in full.
 """
 
 import operator
@@ -107,11 +109,54 @@ class Rotation:
     """One matched x·cos + rotate_half(x)·sin."""
 
     x: Node  # the op's input: q or k
-    cos: Node  # [B or 1, S, R], before HF's unsqueeze
+    cos: Node  # [B or 1, S, R], before HF's unsqueeze; [B or 1, S, R/2] when halved
     sin: Node
     end: Node  # the rotated output
     nodes: list  # what the op replaces
     unsqueezed: tuple  # HF's cos/sin unsqueezed over heads, shared with the partner: erased once unused
+    halved: bool = False  # GPT-OSS's cos/sin, one half of the op's
+
+
+def _chunk_halves(first: Node, second: Node):
+    """x when first, second are chunk(x, 2, -1)[0] and [1]; else None."""
+    if not all(is_call(n, operator.getitem) and n.args[1] == i for i, n in enumerate((first, second))):
+        return None
+    chunk = first.args[0]
+    if chunk is not second.args[0] or not is_call(chunk, torch.chunk) or not is_tensor(chunk.args[0]):
+        return None
+    chunks = chunk.kwargs.get("chunks", chunk.args[1] if len(chunk.args) > 1 else None)
+    x = chunk.args[0]
+    return x if chunks == 2 and _dim(chunk) in (-1, value(x).dim() - 1) and value(x).shape[-1] % 2 == 0 else None
+
+
+def _products(node: Node, combine):
+    """(a, b, c, d) for combine(a * b, c * d) (torch.mul's operands as written); else None."""
+    if not (is_call(node, combine) and len(node.args) == 2 and not node.kwargs):
+        return None
+    left, right = node.args
+    if not (is_call(left, torch.mul) and is_call(right, torch.mul) and len(left.args) == len(right.args) == 2):
+        return None
+    return (*left.args, *right.args)
+
+
+def _match_halved(cat: Node):
+    """GPT-OSS's rotation, cat((x1 * c - x2 * s, x2 * c + x1 * s), -1) with x1, x2 = chunk(x, 2, -1), as a
+    Rotation; None when cat is not that."""
+    tensors = cat.args[0] if cat.args else None
+    if not (isinstance(tensors, (tuple, list)) and len(tensors) == 2 and _dim(cat) in (-1, value(cat).dim() - 1)):
+        return None
+    first, second = _products(tensors[0], torch.sub), _products(tensors[1], torch.add)
+    if first is None or second is None:
+        return None
+    x1, cos4, x2, sin4 = first
+    x = _chunk_halves(x1, x2) if second == (x2, cos4, x1, sin4) else None
+    if x is None:
+        return None
+    nodes = [x1.args[0], x1, x2, *tensors, *(product.args[i] for product in tensors for i in (0, 1)), cat]
+    check_only_inside(nodes, cat, "rotation")
+    cos, sin = _unsqueezed(cos4), _unsqueezed(sin4)
+    _check(x, cos, sin, cat, value(x).shape[-1] // 2)
+    return Rotation(x, cos, sin, cat, nodes, (cos4, sin4), halved=True)
 
 
 def _match(cat: Node) -> Rotation:
@@ -155,7 +200,9 @@ def _partial_rotary(x: Node, add: Node, nodes):
     return q, joined
 
 
-def _check(x: Node, cos, sin, end: Node, rot):
+def _check(x: Node, cos, sin, end: Node, width):
+    """Miss unless x is [B, H, S, D] and cos, sin [B or 1, S, width] tensors that broadcast over it without a
+    gradient, in dtypes the op takes."""
     q, out = value(x), value(end)
     if q.dim() != 4:
         raise Miss(f"the rotated tensor has shape {list(q.shape)}, not [batch, heads, seq, head_dim]")
@@ -164,9 +211,9 @@ def _check(x: Node, cos, sin, end: Node, rot):
                    "of [batch, heads, seq, head_dim]; q laid out [batch, seq, heads, head_dim] is not fused)")
     c, s = value(cos), value(sin)
     if not (statically_known_true(c.shape[0] == 1) or statically_known_true(c.shape[0] == q.shape[0])) or not (
-            statically_known_true(c.shape[1] == q.shape[2]) and statically_known_true(c.shape[2] == rot)
+            statically_known_true(c.shape[1] == q.shape[2]) and statically_known_true(c.shape[2] == width)
             and same_shape(c, s)):
-        raise Miss(f"cos/sin {list(c.shape)} do not broadcast as [batch or 1, seq, {rot}] over q {list(q.shape)}")
+        raise Miss(f"cos/sin {list(c.shape)} do not broadcast as [batch or 1, seq, {width}] over q {list(q.shape)}")
     if c.requires_grad or s.requires_grad:
         raise Miss("cos/sin require grad: the fused op gives them no gradient")
     if q.dtype not in FUSABLE_DTYPES or c.dtype not in FUSABLE_DTYPES or c.dtype != s.dtype:
@@ -206,6 +253,13 @@ def _cast(gm: GraphModule, x: Node, dtype: torch.dtype) -> Node:
     return cast
 
 
+def _repeated(gm: GraphModule, half: Node) -> Node:
+    """cat((half, half), -1): GPT-OSS's cos or sin in HF's layout, where both halves of the rotary dim read it."""
+    full = gm.graph.call_function(torch.cat, ((half, half), -1))
+    full.meta = dict(half.meta, example_value=torch.cat((value(half), value(half)), -1))
+    return full
+
+
 def _contiguous(fake):
     return torch.empty_like(fake, memory_format=torch.contiguous_format)
 
@@ -214,9 +268,12 @@ def fuse_rope(gm: GraphModule, report) -> int:
     """Replace each q/k pair of rotations with one graphopt::rope node; record fusions and misses."""
     rotations = []
     report.misses += [record_for(n, PATTERN, INTERLEAVED) for n in gm.graph.nodes if _interleaved_rotation(n)]
-    for cat in [n for n in gm.graph.nodes if is_call(n, torch.cat) and _rotate_half_input(n) is not None]:
+    for cat in [n for n in gm.graph.nodes if is_call(n, torch.cat)]:
         try:
-            rotations.append(_match(cat))
+            if _rotate_half_input(cat) is not None:
+                rotations.append(_match(cat))
+            elif (halved := _match_halved(cat)) is not None:
+                rotations.append(halved)
         except Miss as miss:
             report.misses.append(record_for(cat, PATTERN, str(miss)))
     fused = 0
@@ -225,7 +282,8 @@ def fuse_rope(gm: GraphModule, report) -> int:
             # cos/sin of a wider dtype promote the rotation (fp32 cos/sin on bf16 q under autocast): the op, which
             # keeps q's dtype, gets q and k cast up, so it computes and returns what eager's promotion does
             xs = [_cast(gm, r.x, value(r.end).dtype) for r in (q, k)]
-            op = gm.graph.call_function(torch.ops.graphopt.rope.default, (*xs, q.cos, q.sin))
+            cos, sin = (_repeated(gm, t) if q.halved else t for t in (q.cos, q.sin))
+            op = gm.graph.call_function(torch.ops.graphopt.rope.default, (*xs, cos, sin))
             outputs = [gm.graph.call_function(operator.getitem, (op, i)) for i in range(2)]
         op.meta = dict(q.end.meta, example_value=tuple(_contiguous(value(r.end)) for r in (q, k)))
         for r, out in zip((q, k), outputs):
