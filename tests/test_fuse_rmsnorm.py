@@ -138,11 +138,23 @@ class OddRMSNorm(torch.nn.Module):  # eps outside the root: a different function
         return self.weight * x / (x.norm(dim=-1, keepdim=True) * x.shape[-1] ** -0.5 + 1e-6)
 
 
+class CohereLayerNorm(torch.nn.Module):  # the mean subtracted first: a LayerNorm without bias, not an RMSNorm
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        h = x.float()
+        mean = h.mean(-1, keepdim=True)
+        return self.weight * ((h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
 @pytest.mark.parametrize("norm, dtype, reason", [
     (HalfPrecisionNorm(8), torch.bfloat16, "not upcast to float32"),
     (WrongDimNorm(), torch.float32, "not the last dimension"),
     (VarianceReusedNorm(), torch.float32, "intermediate of the norm"),
     (OddRMSNorm(8), torch.float32, "does not recognise"),
+    (CohereLayerNorm(8), torch.float32, "a LayerNorm: the mean is subtracted"),
 ])
 def test_unprovable_norms_stay_unfused_with_a_reason(norm, dtype, reason):
     model = Stack([norm.to(dtype)], 8).to(dtype)

@@ -130,8 +130,8 @@ def _match(ce: Node, autocast_regions: dict):
         raise Miss(f"the logits of an lm_head with a bias are scaled by {scale:g}: the fused op scales the hidden "
                    "states, not the bias")
     return dict(hidden=hidden, weight=weight, bias=bias, target=target, ignore_index=args["ignore_index"],
-                reduction=args["reduction"], softcap=softcap, scale=scale, logits=node, lm_head=lm_head, dead=chain + producers,
-                grad_hidden=h.requires_grad, grad_weight=w.requires_grad)
+                reduction=args["reduction"], softcap=softcap, scale=scale, logits=node, lm_head=lm_head,
+                dead=chain + producers, grad_hidden=h.requires_grad, grad_weight=w.requires_grad)
 
 
 def fuse_linear_ce(gm: GraphModule, report) -> int:

@@ -67,6 +67,10 @@ def _match_core(rsqrt: Node):
     if not is_call(square, torch.pow) or square.args[1] != 2:
         raise Miss("the mean is not over squares")
     xf = square.args[0]
+    if is_call(xf, torch.sub) and len(xf.args) == 2 and is_call(xf.args[1], torch.mean) and (
+            xf.args[1].args[0] is xf.args[0]):
+        raise Miss("a LayerNorm: the mean is subtracted before the squares (Cohere's norm), which an RMSNorm does "
+                   "not do")
     if not _last_dim(dim, value(xf).dim()) or not keepdim:
         raise Miss(f"the mean is over dim={dim} (keepdim={keepdim}), not the last dimension with keepdim")
     if value(xf).dtype != torch.float32:
