@@ -124,9 +124,10 @@ def _chunk_halves(first: Node, second: Node):
     chunk = first.args[0]
     if chunk is not second.args[0] or not is_call(chunk, torch.chunk) or not is_tensor(chunk.args[0]):
         return None
-    chunks = chunk.kwargs.get("chunks", chunk.args[1] if len(chunk.args) > 1 else None)
+    arguments = dict(zip(("input", "chunks", "dim"), chunk.args), **chunk.kwargs)
     x = chunk.args[0]
-    return x if chunks == 2 and _dim(chunk) in (-1, value(x).dim() - 1) and value(x).shape[-1] % 2 == 0 else None
+    last = arguments.get("chunks") == 2 and arguments.get("dim", 0) in (-1, value(x).dim() - 1)
+    return x if last and value(x).shape[-1] % 2 == 0 else None
 
 
 def _products(node: Node, combine):
