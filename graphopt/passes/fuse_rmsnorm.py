@@ -13,7 +13,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import guard_float, statically_known_true
 
 from graphopt.passes.describe import module_class, module_path, record_for
-from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, same_shape, value
+from graphopt.passes.match import (FUSABLE_DTYPES, is_call, is_cast, is_scalar, is_tensor, only_user, other_operand,
+                                   same_shape, value)
 from graphopt.passes.rewrite import Miss, check_only_inside, replace
 
 PATTERN = "rms_norm"
@@ -23,14 +24,6 @@ _FUNCTIONAL = (torch.nn.functional.rms_norm, torch.rms_norm)
 _DYNAMIC_EPS = ("epsilon arrives as a runtime tensor: Dynamo made it dynamic because it changed between two "
                 "compilations of the same code; call torch._dynamo.reset() between models, or set "
                 "torch._dynamo.config.specialize_float = True")
-
-
-def _other_operand(mul: Node, operand: Node):
-    """For a binary torch.mul/torch.add that uses `operand`, the other argument."""
-    if len(mul.args) != 2 or mul.kwargs:
-        return None
-    a, b = mul.args
-    return b if a is operand else a if b is operand else None
 
 
 def _constant(eps) -> float:
@@ -76,7 +69,7 @@ def _match_core(rsqrt: Node):
     if value(xf).dtype != torch.float32:
         raise Miss(f"the norm is computed in {value(xf).dtype}, not upcast to float32; "
                    "the fused op's fp32 math would change its numbers")
-    normed = [u for u in rsqrt.users if is_call(u, torch.mul) and _other_operand(u, rsqrt) is xf]
+    normed = [u for u in rsqrt.users if is_call(u, torch.mul) and other_operand(u, rsqrt) is xf]
     if len(rsqrt.users) != 1 or len(normed) != 1:
         raise Miss("rsqrt does not scale the normalized input exactly once")
     normed = normed[0]
@@ -109,8 +102,8 @@ def _extend(normed: Node, n_cols, nodes):
     while (user := only_user(end)) is not None:
         if is_cast(user):
             end = user
-        elif weight is None and is_call(user, torch.mul) and isinstance(_other_operand(user, end), Node):
-            found = _weight_operand(_other_operand(user, end), n_cols)
+        elif weight is None and is_call(user, torch.mul) and isinstance(other_operand(user, end), Node):
+            found = _weight_operand(other_operand(user, end), n_cols)
             if found is None:
                 break
             (weight, offset), end = found, user

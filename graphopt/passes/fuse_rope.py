@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt.passes.describe import module_path, operation, record_for
-from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, only_user, same_shape, value
+from graphopt.passes.match import FUSABLE_DTYPES, is_call, is_tensor, only_user, other_operand, same_shape, value
 from graphopt.passes.rewrite import Miss, check_only_inside, erase_unused
 
 PATTERN = "rope"
@@ -76,14 +76,6 @@ def _interleaved_rotation(flat: Node) -> bool:
 
 def _dim(cat: Node):
     return cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
-
-
-def _other_operand(node: Node, operand: Node):
-    """For a binary torch.mul/torch.add that uses `operand`, the other argument (None if not such a node)."""
-    if len(node.args) != 2 or node.kwargs:
-        return None
-    a, b = node.args
-    return b if a is operand else a if b is operand else None
 
 
 def _unsqueezed(node):
@@ -171,10 +163,10 @@ def _match(cat: Node) -> Rotation:
                                                            and up_stop == rot and rot % 2 == 0):
         raise Miss("the cat of a negated slice and a slice is not rotate_half (halves swapped along the last dim)")
     mul_sin = _single_user(cat)
-    sin4 = _other_operand(mul_sin, cat) if is_call(mul_sin, torch.mul) else None
+    sin4 = other_operand(mul_sin, cat) if is_call(mul_sin, torch.mul) else None
     add = _single_user(mul_sin) if sin4 is not None else None
-    mul_cos = _other_operand(add, mul_sin) if is_call(add, torch.add) else None
-    cos4 = _other_operand(mul_cos, x) if is_call(mul_cos, torch.mul) else None
+    mul_cos = other_operand(add, mul_sin) if is_call(add, torch.add) else None
+    cos4 = other_operand(mul_cos, x) if is_call(mul_cos, torch.mul) else None
     if cos4 is None or not isinstance(sin4, Node):
         raise Miss("rotate_half(x) is not used as x * cos + rotate_half(x) * sin")
     nodes = [upper, neg, lower, cat, mul_sin, mul_cos, add]

@@ -33,6 +33,15 @@ def only_user(node: Node):
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
+def other_operand(node: Node, operand: Node):
+    """For a binary call (torch.mul, torch.add, …) that uses `operand`, the other argument; None if node is not
+    such a call."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    return b if a is operand else a if b is operand else None
+
+
 def is_scalar(arg) -> bool:
     """A Python int or float constant (bool excluded)."""
     return isinstance(arg, (int, float)) and not isinstance(arg, bool)
