@@ -57,8 +57,7 @@ def cases(shape, device="cuda"):
         return lambda: lora._reduce_rows_pair(rows[n_in], rows[n_out], low, low)
 
     def add_low_rank(w):
-        return lambda: lora._add_low_rank(rows[w], low, b[w], b[w].stride(0), b[w].stride(1), 1.0,
-                                          torch.bfloat16, False)
+        return lambda: lora._add_low_rank(low, b[w], b[w].stride(0), b[w].stride(1), 1.0, torch.bfloat16, w)
 
     # add_low_rank per layer: the forward's outputs hidden (q, o, down), kv (k, v), intermediate (gate, up) and
     # the backward's dX, hidden wide for q, k, v, o, gate, up and intermediate for down

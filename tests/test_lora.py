@@ -120,6 +120,22 @@ def assert_kernels_match_fp64(x, grad, weight, bias, a, b, scaling):
         assert relative_error(out, x64) <= bound, name
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_output_wider_than_x_adds_the_base_rounded_to_x_dtype(bias):
+    """PEFT's 4-bit layer under autocast asks for an fp32 output from an fp16/bf16 x: the kernel adds the base
+    matmul rounded to x's dtype, as the reference does, where an output of x's dtype has cuBLAS add the base."""
+    from graphopt.kernels import lora, reference
+
+    dtype = KERNEL_DTYPES[-1]
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(37, 48, generator=g).to(DEVICE, dtype), torch.randn(80, 48, generator=g).to(DEVICE, dtype)
+    b = torch.randn(80, generator=g).to(DEVICE, dtype) if bias else None
+    a, bb = torch.randn(8, 48, generator=g).to(DEVICE), torch.randn(80, 8, generator=g).to(DEVICE)
+    out = lora.lora_linear_forward(x, weight, b, a, bb, 0.5, torch.float32)
+    ref = reference.lora_linear(x, weight, b, a, bb, 0.5, torch.float32)
+    assert out.dtype == torch.float32 and relative_error(out, ref) <= 1e-6
+
+
 class CountedLaunches:
     """kernel[grid](...) as before, its name appended to `launched` first."""
 

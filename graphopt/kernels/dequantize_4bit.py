@@ -24,25 +24,33 @@ from graphopt.kernels.reference import NESTED_BLOCKSIZE
 @triton.jit
 def _dequantize_4bit_kernel(
     PACKED, VALUES, ABSMAX, ABSMAX_8BIT, ABSMAX_CODE, ABSMAX_OFFSET, OUT, n_elements,
-    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # BLOCK bytes a program: 2·BLOCK elements, written as one contiguous run (the two nibbles interleaved)
-    byte = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = 2 * byte < n_elements
-    codes = tl.load(PACKED + byte, mask=in_range, other=0).to(tl.int32)
-    # a constant block size makes this division a shift (bitsandbytes' are powers of two); a runtime one costs
-    # more instructions per byte than the rest of the kernel. Even: both nibbles of a byte share a block
-    block = (2 * byte) // BLOCKSIZE
+    # ROWS absmax blocks a program, as a [ROWS, BLOCKSIZE / 2] tile of bytes: each block's scale is decoded once
+    # and broadcast over its bytes, not gathered again for every byte. Each row's 2 · BLOCKSIZE / 2 elements are
+    # written as one contiguous run (the two nibbles of a byte interleaved; even block sizes keep them in one block)
+    HALF: tl.constexpr = BLOCKSIZE // 2
+    block = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    block_in_range = block * BLOCKSIZE < n_elements
     if NESTED:
-        absmax_byte = tl.load(ABSMAX_8BIT + block, mask=in_range, other=0).to(tl.int32)
-        scale = tl.load(ABSMAX_CODE + absmax_byte) * tl.load(ABSMAX + block // NESTED_BLOCK, mask=in_range,
+        absmax_byte = tl.load(ABSMAX_8BIT + block, mask=block_in_range, other=0).to(tl.int32)
+        scale = tl.load(ABSMAX_CODE + absmax_byte) * tl.load(ABSMAX + block // NESTED_BLOCK, mask=block_in_range,
                                                              other=0.0) + tl.load(ABSMAX_OFFSET)
     else:
-        scale = tl.load(ABSMAX + block, mask=in_range, other=0.0)
-    high = tl.load(VALUES + (codes >> 4)) * scale
-    low = tl.load(VALUES + (codes & 15)) * scale
-    element = 2 * tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, 2 * BLOCK)
+        scale = tl.load(ABSMAX + block, mask=block_in_range, other=0.0)
+    byte = block[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    codes = tl.load(PACKED + byte, mask=2 * byte < n_elements, other=0).to(tl.int32)
+    high = tl.load(VALUES + (codes >> 4)) * scale[:, None]
+    low = tl.load(VALUES + (codes & 15)) * scale[:, None]
+    element = block[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
     tl.store(OUT + element, tl.interleave(high, low).to(OUT.dtype.element_ty), mask=element < n_elements)
+
+
+# Bytes a program reads (whole absmax blocks, at least one) and its warps, per platform. CUDA: between the 512 bytes
+# in 4 warps a sweep chose when the kernel decoded the scale for every byte and the 2,048 Unsloth's kernel of the
+# same structure takes on the H100/H200, until `benchmarks/dequantize_4bit.py --sweep` times this kernel on the
+# H200 (benchmarks/RESULTS.md, QLoRA). The interpreter pays per program, not per element.
+CONFIGS = {"cuda": dict(BYTES=1024, num_warps=4), "cpu": dict(BYTES=32768, num_warps=4)}
 
 
 # (quant type, device) → the 16 values. Made before a graph that reads them compiles (lowering/cuda.py: prepare):
@@ -73,14 +81,14 @@ def dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, a
     if n_elements == 0:
         return out
     nested = absmax_8bit is not None
-    # 512 bytes a program in 4 warps: the fastest of 512–4096 bytes in 2–8 warps on the H200
-    # (benchmarks/RESULTS.md); the interpreter pays per program, not per element
-    block = 32768 if layout.platform(packed) == "cpu" else 512
-    _dequantize_4bit_kernel[(layout.cdiv(layout.cdiv(n_elements, 2), block),)](
+    config = CONFIGS["cpu" if layout.platform(packed) == "cpu" else "cuda"]
+    rows = max(1, config["BYTES"] // (blocksize // 2))
+    _dequantize_4bit_kernel[(layout.cdiv(layout.cdiv(n_elements, blocksize), rows),)](
         packed.reshape(-1), quant_values(quant_type, packed.device), absmax.reshape(-1),
         absmax_8bit.reshape(-1) if nested else absmax, absmax_code if nested else absmax,
         absmax_offset.reshape(-1) if nested else absmax, out, n_elements, BLOCKSIZE=blocksize,
-        NESTED=nested, NESTED_BLOCK=NESTED_BLOCKSIZE, BLOCK=block, num_warps=layout.num_warps(packed, 4),
+        NESTED=nested, NESTED_BLOCK=NESTED_BLOCKSIZE, ROWS=rows,
+        num_warps=layout.num_warps(packed, config["num_warps"]),
         enable_fp_fusion=False,  # a nested absmax's multiply and add rounded apart, as bitsandbytes rounds them
     )
     return out

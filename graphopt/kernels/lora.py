@@ -1,16 +1,18 @@
 """LoRA Linear on the GPU with fp32 adapters on a bf16/fp16/fp32 base; kernels/reference.py defines it.
 
-The frozen base matmuls (x·Wᵀ forward, dY·W backward) stay cuBLAS. Everything PEFT does around them in the
-adapter dtype — the upcast of x, x·Aᵀ, ·Bᵀ, the scaling, the add, the cast back, and the same in the backward —
-runs in Triton kernels that read each large tensor once and keep fp32 values in registers, never in memory: no
-fp32 copy of x or of the output exists, saved or transient; the output is written over the base matmul's. The
-forward is two launches (x·Aᵀ; ·Bᵀ, scale, add and cast), the backward four, as the H200's step is partly bound by
-how fast the CPU launches kernels: x·Aᵀ and dY·B in one, dA's and dB's partial sums over splits of the rows in one,
-their sum in one, and dX's low-rank term added over the base dY·W in one. The rank-r products keep fp32's
-accuracy on tensor cores: with a bf16 x, bf16 dots on the fp32 operand split in two bf16 parts (below, _split);
-otherwise "tf32x3", three TF32 products (PEFT's fp32 matmuls run without TF32). Plain fp32 "ieee" dots run on the
-CUDA cores, which made these memory-bound kernels compute-bound (2.4x slower in the 1B step on the H200,
-benchmarks/RESULTS.md).
+The frozen base matmuls (x·Wᵀ forward, dY·W backward) stay cuBLAS, accumulating (β = 1) onto the low-rank term
+the Triton kernels write first: each output is written once by a memory-bound kernel and read once more in the
+epilogue of a compute-bound matmul, where a separate add would read and write it again. Everything PEFT does
+around the base matmuls in the adapter dtype — the upcast of x, x·Aᵀ, ·Bᵀ, the scaling, the add, the cast back,
+and the same in the backward — runs in Triton kernels that read each large tensor once and keep fp32 values in
+registers, never in memory: no fp32 copy of x or of the output exists, saved or transient. The forward is two
+launches and a matmul (x·Aᵀ; ·Bᵀ, scale and the bias; x·Wᵀ added), the backward four and a matmul, as the H200's
+step is partly bound by how fast the CPU launches kernels: x·Aᵀ and dY·B in one, dA's and dB's partial sums over
+splits of the rows in one, their sum in one, and dX's low-rank term in one, onto which dY·W is added. The rank-r
+products keep fp32's accuracy on tensor cores: with a bf16 x, bf16 dots on the fp32 operand split in two bf16
+parts (below, _split); otherwise "tf32x3", three TF32 products (PEFT's fp32 matmuls run without TF32). Plain fp32
+"ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (2.4x slower in the 1B step
+on the H200, benchmarks/RESULTS.md).
 """
 
 import torch
@@ -158,11 +160,12 @@ def _sum_splits_kernel(P, GRAD_B, GRAD_A, splits, grad_b_size, size, BLOCK: tl.c
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
-def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, stride_wn, stride_wr, scale,
-                         ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):
-    # OUT[m, n] = BASE[m, n] + scale · Σ_r XA[m, r] · W[n, r], rounded once to OUT's dtype (with ROUND_FIRST the
-    # low-rank term is rounded to it before the add, as autograd's accumulation of two bf16 gradients does)
+def _add_low_rank_kernel(BASE, XA, W, BIAS, OUT, n_rows, n_cols, rank, stride_base, stride_wn, stride_wr, scale,
+                         ADD_BASE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                         SPLIT_BF16: tl.constexpr):
+    # OUT[m, n] = scale · Σ_r XA[m, r] · W[n, r], plus BIAS[n] (HAS_BIAS) and BASE[m, n] (ADD_BASE), rounded once
+    # to OUT's dtype; OUT is [n_rows, n_cols] contiguous
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_R)
@@ -171,14 +174,15 @@ def _add_low_rank_kernel(BASE, XA, W, OUT, n_rows, n_cols, rank, stride_base, st
     w = tl.load(W + cols[None, :] * stride_wn + ranks[:, None] * stride_wr,
                 mask=(cols < n_cols)[None, :] & (ranks < rank)[:, None], other=0.0).to(tl.float32)
     if SPLIT_BF16:
-        low_rank = _dot_bf16x3(xa, w) * scale
+        value = _dot_bf16x3(xa, w) * scale
     else:
-        low_rank = tl.dot(xa, w, input_precision=PRECISION) * scale
-    if ROUND_FIRST:
-        low_rank = low_rank.to(OUT.dtype.element_ty).to(tl.float32)
+        value = tl.dot(xa, w, input_precision=PRECISION) * scale
+    if HAS_BIAS:
+        value += tl.load(BIAS + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    base = tl.load(BASE + rows[:, None] * stride_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + rows[:, None] * n_cols + cols[None, :], (base + low_rank).to(OUT.dtype.element_ty), mask=mask)
+    if ADD_BASE:
+        value += tl.load(BASE + rows[:, None] * stride_base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + rows[:, None] * n_cols + cols[None, :], value.to(OUT.dtype.element_ty), mask=mask)
 
 
 # The fp32 dots' precision per platform: fp32's accuracy from tensor-core products. NVIDIA: three TF32 products;
@@ -339,22 +343,23 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa):
     return grad_a, grad_b
 
 
-def _add_low_rank(base, xa, weight, stride_wn, stride_wr, scale, out_dtype, round_first):
-    """base + scale · xa · Wᵀ in out_dtype, written over base (a fresh matmul result) when it has that dtype:
-    each element is read and written by one program, and the step's peak holds one such buffer, not two."""
-    n_rows, n_cols = base.shape
-    platform = layout.platform(base)
+def _add_low_rank(xa, weight, stride_wn, stride_wr, scale, out_dtype, n_cols, bias=None, base=None):
+    """scale · xa · Wᵀ [rows, n_cols] in out_dtype, W given as (tensor, strides of its [n_cols, rank] view), plus
+    bias and base where given, each element rounded once."""
+    n_rows = xa.shape[0]
+    platform = layout.platform(xa)
     block_r = _block_r(xa.shape[1])
-    in_place = base.dtype == out_dtype and base.is_contiguous()
-    out = base if in_place else torch.empty((n_rows, n_cols), dtype=out_dtype, device=base.device)
+    out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=xa.device)
 
     def launch(config):
         _add_low_rank_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]), layout.cdiv(n_cols, config["BLOCK_N"]))](
-            base, xa, weight, out, n_rows, n_cols, xa.shape[1], base.stride(0), stride_wn, stride_wr, scale,
-            ROUND_FIRST=round_first, BLOCK_R=block_r, PRECISION=PRECISION[platform],
+            xa if base is None else base, xa, weight, xa if bias is None else bias, out, n_rows, n_cols, xa.shape[1],
+            0 if base is None else base.stride(0), stride_wn, stride_wr, scale, ADD_BASE=base is not None,
+            HAS_BIAS=bias is not None, BLOCK_R=block_r, PRECISION=PRECISION[platform],
             SPLIT_BF16=out_dtype == torch.bfloat16 and platform != "cpu", **config)
 
-    _fitting(_add_low_rank_kernel, "add_low_rank", platform, (base.dtype, out_dtype, block_r, base.device), launch)
+    key = (None if base is None else base.dtype, out_dtype, block_r, xa.device)
+    _fitting(_add_low_rank_kernel, "add_low_rank", platform, key, launch)
     return out
 
 
@@ -370,10 +375,17 @@ def supported_dtypes(x_dtype, weight_dtype, adapter_dtype) -> bool:
 
 def lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
     rows = as_rows(x, x.shape[-1])
-    base = torch.nn.functional.linear(rows, weight, bias)
     xa = _project(rows, lora_a, lora_a.stride(0), lora_a.stride(1), lora_a.shape[0], 1.0)
-    # out = base + (xa · Bᵀ) · scaling; B is [out, rank]: W[n, r] = B[n, r]
-    out = _add_low_rank(base, xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, False)
+    # out = x·Wᵀ + bias + (xa · Bᵀ) · scaling; B is [out, rank]: W[n, r] = B[n, r]
+    if out_dtype == rows.dtype:
+        # the low-rank term (and the bias) written first, then cuBLAS adds the base matmul onto it (β = 1): the
+        # output is read again in the epilogue of a compute-bound matmul, not in a memory-bound pass of its own
+        out = _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0], bias)
+        out.addmm_(rows, weight.t())
+    else:  # a wider output (PEFT's 4-bit layer under autocast): the base is rounded to its dtype first, as there
+        base = torch.nn.functional.linear(rows, weight, bias)
+        out = _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0],
+                            base=base)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -383,7 +395,8 @@ def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling):
     # x·Aᵀ recomputed, scaled here as only dB reads it; d(xa) = scaling · dY·B. Both [tokens, rank]
     xa_scaled, grad_xa = _project_pair(rows, grad, lora_a, lora_b, scaling)
     grad_a, grad_b = _reduce_rows_pair(rows, grad, xa_scaled, grad_xa)  # d(xa)ᵀ · x [rank, in], dYᵀ · xa_scaled
-    grad_base = grad.to(weight.dtype) @ weight  # cuBLAS, [tokens, in]
-    # dX = dY · W + d(xa) · A, A is [rank, in]: W[n, r] = A[r, n]
-    grad_x = _add_low_rank(grad_base, grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, True)
+    # dX = d(xa)·A + dY·W: the low-rank term rounded to x's dtype (as autograd's accumulation of two gradients
+    # rounds it), then cuBLAS adds dY·W onto it; A is [rank, in]: W[n, r] = A[r, n]
+    grad_x = _add_low_rank(grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, rows.shape[1])
+    grad_x.addmm_(grad.to(weight.dtype), weight)
     return grad_x.view(x.shape), grad_a, grad_b
