@@ -557,8 +557,11 @@ def run(args):
         # one step more outside the timing: it maps again what the step needs (expandable segments), at its cost
         train_step(forward, optimizer, warmup_batches[-1], autocast)
         synchronize(device)
-    # Graphs Dynamo compiles during the timed steps (a recompile there is paid in the timing)
+    # Graphs Dynamo compiles during the timed steps (a recompile there is paid in the timing); Dynamo's log says
+    # which guard failed, in the variant's log
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    if args.variant in ("inductor", "graphopt"):
+        torch._logging.set_logs(recompiles=True)
     start = time.perf_counter()
     for batch in batches[args.warmup:]:
         loss = train_step(forward, optimizer, batch, autocast)
