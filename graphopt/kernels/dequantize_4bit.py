@@ -49,7 +49,8 @@ def _dequantize_4bit_kernel(
 # Bytes a program reads (whole absmax blocks, at least one) and its warps, per platform. CUDA: between the 512 bytes
 # in 4 warps a sweep chose when the kernel decoded the scale for every byte and the 2,048 Unsloth's kernel of the
 # same structure takes on the H100/H200, until `benchmarks/dequantize_4bit.py --sweep` times this kernel on the
-# H200 (benchmarks/RESULTS.md, QLoRA). The interpreter pays per program, not per element.
+# H200 (benchmarks/RESULTS.md, QLoRA). AMD takes CUDA's bytes, its warps through layout.num_warps (the same
+# threads a program). The interpreter pays per program, not per element.
 CONFIGS = {"cuda": dict(BYTES=1024, num_warps=4), "cpu": dict(BYTES=32768, num_warps=4)}
 
 
