@@ -46,11 +46,10 @@ def _dequantize_4bit_kernel(
     tl.store(OUT + element, tl.interleave(high, low).to(OUT.dtype.element_ty), mask=element < n_elements)
 
 
-# Bytes a program reads (whole absmax blocks, at least one) and its warps, per platform. CUDA: between the 512 bytes
-# in 4 warps a sweep chose when the kernel decoded the scale for every byte and the 2,048 Unsloth's kernel of the
-# same structure takes on the H100/H200, until `benchmarks/dequantize_4bit.py --sweep` times this kernel on the
-# H200 (benchmarks/RESULTS.md, QLoRA). AMD takes CUDA's bytes, its warps through layout.num_warps (the same
-# threads a program). The interpreter pays per program, not per element.
+# Bytes a program reads (whole absmax blocks, at least one) and its warps, per platform. CUDA: 1,024 bytes in 4 warps,
+# within 1% (1B's weights) and 4% (8B's) of the best setting of `benchmarks/dequantize_4bit.py --sweep` on the H100;
+# no setting is best at both (benchmarks/RESULTS.md, QLoRA, "The two changes: outcome"). AMD takes CUDA's bytes, its
+# warps through layout.num_warps (the same threads a program). The interpreter pays per program, not per element.
 CONFIGS = {"cuda": dict(BYTES=1024, num_warps=4), "cpu": dict(BYTES=32768, num_warps=4)}
 
 
