@@ -2,12 +2,14 @@
 
     python benchmarks/lora_configs.py                # Llama-3.2-1B: 8192 tokens (batch 4 × 2048)
     python benchmarks/lora_configs.py --shape 8b     # Llama-3-8B: 4096 tokens (batch 2 × 2048)
+    python benchmarks/lora_configs.py --shape 8b --kernels project     # one kernel's sweep
 
 Prints, per kernel, IEEE vs tf32x3 at the current config and the 4 best configs. Each kernel is timed
 (triton.testing.do_bench, µs) on the shapes one decoder layer gives it (LoRA r=16), and the times are summed
 weighted by how often a training step of one layer calls it (forward, and the backward that recomputes x·Aᵀ).
 The best config per kernel is what kernels/lora.py CONFIGS["cuda"] should hold; the reduce's number of programs
-is not swept: it is 4 × the GPU's SMs (kernels/layout.py multiprocessors).
+is not swept: it is 4 × the GPU's SMs (kernels/layout.py multiprocessors). The projections' FILL is: the programs
+wanted a multiprocessor, made up by splitting the columns (0: no split); the time includes the sum of the splits.
 """
 
 import argparse
@@ -26,8 +28,8 @@ SHAPES = {"1b": dict(tokens=8192, hidden=2048, kv=512, intermediate=8192),
 
 
 GRIDS = {
-    "project": [dict(BLOCK_M=m, BLOCK_K=k, num_warps=w, num_stages=s)
-                for m, k, w, s in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 4))],
+    "project": [dict(BLOCK_M=m, BLOCK_K=k, num_warps=w, num_stages=s, FILL=f)
+                for m, k, w, s, f in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4), (0, 1, 2, 4))],
     "reduce_rows": [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=3)
                     for m, n, w in itertools.product((32, 64), (64, 128), (4, 8))],
     "add_low_rank": [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=3)
@@ -80,13 +82,15 @@ def weighted_time(calls):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    parser.add_argument("--kernels", default=",".join(GRIDS), help=f"comma-separated, from {', '.join(GRIDS)}")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lora_configs.py sweeps CUDA launch configurations: it needs a GPU")
     print(f"{args.shape}: {SHAPES[args.shape]}, LoRA r={RANK}")
     calls = cases(args.shape)
     current = {name: dict(config) for name, config in lora.CONFIGS["cuda"].items()}
-    for name, grid in GRIDS.items():
+    for name in args.kernels.split(","):
+        grid = GRIDS[name]
         results = []
         for precision, config in [("ieee", current[name])] + [("tf32x3", c) for c in [current[name]] + grid]:
             lora.PRECISION["cuda"], lora.CONFIGS["cuda"][name] = precision, config

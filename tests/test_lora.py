@@ -227,6 +227,33 @@ def test_backward_is_four_triton_launches(monkeypatch):
     assert got[1].untyped_storage().data_ptr() != got[2].untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("fill", [0, 12])
+def test_projections_split_over_columns_add_up_to_the_product(monkeypatch, fill):
+    """A launch of fewer row blocks than the GPU has multiprocessors splits the projections' columns (CONFIGS'
+    FILL: programs wanted a multiprocessor): each split's partial product, then one launch that sums them in a
+    fixed order; the forward and every gradient stay within fp64's bounds. FILL 0: one launch, no sum."""
+    from graphopt.kernels import layout, lora
+
+    platform = "cuda" if DEVICE == "cuda" else "cpu"
+    launched = []
+    for name, kernel in list(vars(lora).items()):
+        if name.endswith("_kernel"):
+            monkeypatch.setattr(lora, name, CountedLaunches(kernel, launched))
+    config = {**lora.CONFIGS[platform]["project"], "BLOCK_M": 32, "BLOCK_K": 16, "FILL": fill}
+    monkeypatch.setitem(lora.CONFIGS[platform], "project", config)
+    monkeypatch.setattr(lora, "_FITTED", {})
+    monkeypatch.setattr(layout, "multiprocessors", lambda device: 1)  # the interpreter's count, on CUDA too
+    g = torch.Generator().manual_seed(1)
+    dtype = KERNEL_DTYPES[-1]
+    x, grad = torch.randn(50, 100, generator=g).to(DEVICE, dtype), torch.randn(50, 70, generator=g).to(DEVICE, dtype)
+    weight = (torch.randn(70, 100, generator=g) / 10).to(DEVICE, dtype)
+    a, b = (torch.randn(8, 100, generator=g) / 10).to(DEVICE), torch.randn(70, 8, generator=g).to(DEVICE)
+    assert_kernels_match_fp64(x, grad, weight, None, a, b, 2.0)
+    # 50 rows are 2 blocks of 32. FILL 12 wants 6 splits of the forward's 100 columns (4 of 32 columns leave
+    # none empty) and 3 of the pair's (2 sides × 2 blocks), each then summed; dA's and dB's sum runs either way
+    assert launched.count("_sum_splits_kernel") == (3 if fill else 1), launched
+
+
 def test_trainable_base_weight_is_a_clear_error():
     model = peft_linear(8, 4, 2, torch.float32)
     weight, bias, a, b, scaling, _ = op_args(model, torch.float32)

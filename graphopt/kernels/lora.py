@@ -8,7 +8,9 @@ and the same in the backward — runs in Triton kernels that read each large ten
 registers, never in memory: no fp32 copy of x or of the output exists, saved or transient. The forward is two
 launches and a matmul (x·Aᵀ; ·Bᵀ, scale and the bias; x·Wᵀ added), the backward four and a matmul, as the H200's
 step is partly bound by how fast the CPU launches kernels: x·Aᵀ and dY·B in one, dA's and dB's partial sums over
-splits of the rows in one, their sum in one, and dX's low-rank term in one, onto which dY·W is added. The rank-r
+splits of the rows in one, their sum in one, and dX's low-rank term in one, onto which dY·W is added. Where too
+few row blocks would leave multiprocessors idle, the projections split the columns too, and one more launch sums
+the partial products (CONFIGS' FILL). The rank-r
 products keep fp32's accuracy on tensor cores: with a bf16 x, bf16 dots on the fp32 operand split in two bf16
 parts (below, _split); otherwise "tf32x3", three TF32 products (PEFT's fp32 matmuls run without TF32). Plain fp32
 "ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (2.4x slower in the 1B step
@@ -56,49 +58,53 @@ def _dot_bf16x3(a, b):
 
 
 @triton.jit
-def _project_row_block(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_wk, scale,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                       SPLIT_BF16: tl.constexpr):
-    # Y[m, r] = scale · Σ_k X[m, k] · W[r, k] for the rows of block program_id(0); Y is [n_rows, rank] fp32, contiguous
+def _project_row_block(X, W, Y, n_rows, n_cols, cols_per_split, rank, stride_x, stride_wr, stride_wk, stride_split,
+                       scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                       PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):
+    # Y[split, m, r] = scale · Σ_k X[m, k] · W[r, k] over the split's columns, for the rows of block program_id(0)
+    # and the split program_id(2) (one split: Y[0] is the product); Y[split] is [n_rows, rank] fp32, contiguous
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(2).to(tl.int64)
+    first = split * cols_per_split
+    end = tl.minimum(first + cols_per_split, n_cols)
     ranks = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK_K):
+    for start in range(first, end, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x = tl.load(X + rows[:, None] * stride_x + ks[None, :],
-                    mask=(rows < n_rows)[:, None] & (ks < n_cols)[None, :], other=0.0)
+                    mask=(rows < n_rows)[:, None] & (ks < end)[None, :], other=0.0)
         w = tl.load(W + ranks[None, :] * stride_wr + ks[:, None] * stride_wk,
-                    mask=(ranks < rank)[None, :] & (ks < n_cols)[:, None], other=0.0).to(tl.float32)
+                    mask=(ranks < rank)[None, :] & (ks < end)[:, None], other=0.0).to(tl.float32)
         if SPLIT_BF16:
             acc += _dot_exact_by_split(x, w)
         else:
             acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)
-    tl.store(Y + rows[:, None] * rank + ranks[None, :], acc * scale,
+    tl.store(Y + split * stride_split + rows[:, None] * rank + ranks[None, :], acc * scale,
              mask=(rows < n_rows)[:, None] & (ranks < rank)[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
-def _project_kernel(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_wk, scale,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                    SPLIT_BF16: tl.constexpr):
-    _project_row_block(X, W, Y, n_rows, n_cols, rank, stride_x, stride_wr, stride_wk, scale,
-                       BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16)
+@triton.jit(do_not_specialize=["n_rows", "stride_split"])  # token-count sizes: kernels/layout.py
+def _project_kernel(X, W, Y, n_rows, n_cols, cols_per_split, rank, stride_x, stride_wr, stride_wk, stride_split,
+                    scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                    PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):
+    _project_row_block(X, W, Y, n_rows, n_cols, cols_per_split, rank, stride_x, stride_wr, stride_wk, stride_split,
+                       scale, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16)
 
 
-@triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
-def _project_pair_kernel(X, A, XA, G, B, GRAD_XA, n_rows, n_in, n_out, rank, stride_x, stride_g,
-                         stride_a0, stride_a1, stride_b0, stride_b1, scale,
+@triton.jit(do_not_specialize=["n_rows", "stride_split"])  # token-count sizes: kernels/layout.py
+def _project_pair_kernel(X, A, XA, G, B, GRAD_XA, n_rows, n_in, n_out, in_per_split, out_per_split, rank, stride_x,
+                         stride_g, stride_a0, stride_a1, stride_b0, stride_b1, stride_split, scale,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                          PRECISION: tl.constexpr, SPLIT_BF16_X: tl.constexpr, SPLIT_BF16_G: tl.constexpr):
     # The backward's two projections in one launch, program_id(1) picks which: XA = scale · X·Aᵀ from
     # X [n_rows, n_in], GRAD_XA = scale · G·B from G [n_rows, n_out]; B is [n_out, rank], read as its transpose.
     # The branch is uniform over a program, and each side compiles to what _project_kernel runs alone.
     if tl.program_id(1) == 0:
-        _project_row_block(X, A, XA, n_rows, n_in, rank, stride_x, stride_a0, stride_a1, scale,
-                           BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16_X)
+        _project_row_block(X, A, XA, n_rows, n_in, in_per_split, rank, stride_x, stride_a0, stride_a1, stride_split,
+                           scale, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16_X)
     else:
-        _project_row_block(G, B, GRAD_XA, n_rows, n_out, rank, stride_g, stride_b1, stride_b0, scale,
-                           BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16_G)
+        _project_row_block(G, B, GRAD_XA, n_rows, n_out, out_per_split, rank, stride_g, stride_b1, stride_b0,
+                           stride_split, scale, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16_G)
 
 
 @triton.jit
@@ -147,16 +153,17 @@ def _reduce_rows_pair_kernel(G, XA, GRAD_XA, X, P, n_rows, n_out, n_in, rank, ro
                  mask=(ranks < rank)[:, None] & (cols < n_in)[None, :])
 
 
-@triton.jit(do_not_specialize=["splits"])  # token-count sizes: kernels/layout.py
-def _sum_splits_kernel(P, GRAD_B, GRAD_A, splits, grad_b_size, size, BLOCK: tl.constexpr):
-    # GRAD_B, GRAD_A = Σ_split P[split], P[split] being dB's elements then dA's (_reduce_rows_pair_kernel)
+@triton.jit(do_not_specialize=["splits", "first_size", "size"])  # token-count sizes: kernels/layout.py
+def _sum_splits_kernel(P, FIRST, SECOND, splits, first_size, size, BLOCK: tl.constexpr):
+    # FIRST, SECOND = Σ_split P[split], P[split] being FIRST's first_size elements then SECOND's (dB's then dA's from
+    # _reduce_rows_pair_kernel; the projections' partial sums over column splits), in a fixed order: deterministic
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for _ in range(0, splits):
         acc += tl.load(P + offsets, mask=offsets < size, other=0.0)
         P += size  # the next split's partial sums
-    tl.store(GRAD_B + offsets, acc, mask=offsets < grad_b_size)
-    tl.store(GRAD_A + (offsets - grad_b_size), acc, mask=(offsets >= grad_b_size) & (offsets < size))
+    tl.store(FIRST + offsets, acc, mask=offsets < first_size)
+    tl.store(SECOND + (offsets - first_size), acc, mask=(offsets >= first_size) & (offsets < size))
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
@@ -199,6 +206,9 @@ PRECISION = {"cuda": "tf32x3", "cdna": "bf16x6", "rdna": "bf16x6", "cpu": "ieee"
 # 32-wide ones. 2: two pipeline stages where a loop feeds tl.dot (project over K, reduce_rows over rows), the depth
 # Triton's AMD stream pipeliner is built for; add_low_rank has no loop and sum_splits no dot, so they keep Triton's
 # default.
+# The projections' FILL (programs wanted a multiprocessor, made up by splitting the columns: _column_splits) is
+# absent, so one launch over the row blocks, until benchmarks/lora_configs.py's sweep of it on the GPU says
+# which value pays at which shape.
 # CPU (the interpreter): large blocks, so that its Python-level loops are few.
 CONFIGS = {
     "cuda": {
@@ -272,38 +282,89 @@ def _split_bf16(t, platform):
     return t.dtype == torch.bfloat16 and platform != "cpu"
 
 
+def _column_splits(config, programs, widest, device, platform):
+    """How many splits of the columns the projections' launch of `programs` programs a split takes: enough for
+    config["FILL"] programs a multiprocessor (a program streams its rows' columns with as many loads in flight
+    as its tiles and stages hold, so a launch of fewer programs than multiprocessors leaves bandwidth unused), at
+    most one a BLOCK_K of the widest input. No FILL: one split. The interpreter counts one multiprocessor."""
+    fill = config.get("FILL", 0)
+    if not fill:
+        return 1
+    wanted = fill * (1 if platform == "cpu" else layout.multiprocessors(device))
+    return max(1, min(wanted // max(programs, 1), layout.cdiv(widest, config["BLOCK_K"])))
+
+
+def _per_split(n_cols, splits, block_k):
+    return layout.cdiv(layout.cdiv(n_cols, splits), block_k) * block_k
+
+
+def _launch_options(config):
+    return {key: value for key, value in config.items() if key != "FILL"}
+
+
+def _sum_splits(partial, first, second, splits):
+    """first, second = Σ_split partial[split], partial[split] holding first's elements, then second's."""
+    size = partial[0].numel()
+    config = CONFIGS[layout.platform(partial)]["sum_splits"]
+    _sum_splits_kernel[(layout.cdiv(size, config["BLOCK"]),)](partial, first, second, splits, first.numel(), size,
+                                                               **config)
+
+
 def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
-    """[rows, rank] fp32 = scale · x_rows · Wᵀ, W given as (tensor, strides of its [rank, cols] view)."""
+    """[rows, rank] fp32 = scale · x_rows · Wᵀ, W given as (tensor, strides of its [rank, cols] view): one launch,
+    or where a launch over the rows alone leaves the GPU short of programs, one over splits of the columns and a
+    second that adds up their partial products."""
     n_rows, n_cols = x_rows.shape
     platform = layout.platform(x_rows)  # once a call: this runs on the host for every launch
     block_r = _block_r(rank)
-    out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
 
     def launch(config):
-        _project_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]),)](
-            x_rows, weight, out, n_rows, n_cols, rank, x_rows.stride(0), stride_wr, stride_wk, scale,
-            BLOCK_R=block_r, PRECISION=PRECISION[platform], SPLIT_BF16=_split_bf16(x_rows, platform), **config)
+        row_blocks = layout.cdiv(n_rows, config["BLOCK_M"])
+        per_split = _per_split(n_cols, _column_splits(config, row_blocks, n_cols, x_rows.device, platform),
+                               config["BLOCK_K"])
+        splits = layout.cdiv(n_cols, per_split) if n_cols else 1  # none empty
+        partial = torch.empty((splits, n_rows, rank), dtype=torch.float32, device=x_rows.device)
+        _project_kernel[(row_blocks, 1, splits)](
+            x_rows, weight, partial, n_rows, n_cols, per_split, rank,
+            x_rows.stride(0), stride_wr, stride_wk, n_rows * rank, scale, BLOCK_R=block_r,
+            PRECISION=PRECISION[platform], SPLIT_BF16=_split_bf16(x_rows, platform), **_launch_options(config))
+        return partial, splits
 
-    _fitting(_project_kernel, "project", platform, (x_rows.dtype, block_r, x_rows.device), launch)
+    partial, splits = _fitting(_project_kernel, "project", platform, (x_rows.dtype, block_r, x_rows.device), launch)
+    if splits == 1:
+        return partial[0]
+    out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
+    _sum_splits(partial, out, out, splits)
     return out
 
 
 def _project_pair(rows, grad, lora_a, lora_b, scale):
-    """(scale · rows · Aᵀ, scale · grad · B), both [rows, rank] fp32, from one launch."""
+    """(scale · rows · Aᵀ, scale · grad · B), both [rows, rank] fp32, from one launch (and one that adds up the
+    partial products, where the columns are split as in _project)."""
     n_rows, n_in = rows.shape
-    rank = lora_a.shape[0]
+    n_out, rank = grad.shape[1], lora_a.shape[0]
     platform = layout.platform(rows)
     block_r = _block_r(rank)
-    xa, grad_xa = torch.empty((2, n_rows, rank), dtype=torch.float32, device=rows.device)
 
     def launch(config):
-        _project_pair_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]), 2)](
-            rows, lora_a, xa, grad, lora_b, grad_xa, n_rows, n_in, grad.shape[1], rank, rows.stride(0),
-            grad.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1), scale,
-            BLOCK_R=block_r, PRECISION=PRECISION[platform], SPLIT_BF16_X=_split_bf16(rows, platform),
-            SPLIT_BF16_G=_split_bf16(grad, platform), **config)
+        row_blocks = layout.cdiv(n_rows, config["BLOCK_M"])
+        splits = _column_splits(config, 2 * row_blocks, max(n_in, n_out), rows.device, platform)
+        partial = torch.empty((splits, 2, n_rows, rank), dtype=torch.float32, device=rows.device)
+        _project_pair_kernel[(row_blocks, 2, splits)](
+            rows, lora_a, partial[:, 0], grad, lora_b, partial[:, 1], n_rows, n_in, n_out,
+            _per_split(n_in, splits, config["BLOCK_K"]), _per_split(n_out, splits, config["BLOCK_K"]), rank,
+            rows.stride(0), grad.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1),
+            2 * n_rows * rank, scale, BLOCK_R=block_r, PRECISION=PRECISION[platform],
+            SPLIT_BF16_X=_split_bf16(rows, platform), SPLIT_BF16_G=_split_bf16(grad, platform),
+            **_launch_options(config))
+        return partial, splits
 
-    _fitting(_project_pair_kernel, "project", platform, (rows.dtype, grad.dtype, block_r, rows.device), launch)
+    key = (rows.dtype, grad.dtype, block_r, rows.device)
+    partial, splits = _fitting(_project_pair_kernel, "project", platform, key, launch)
+    if splits == 1:
+        return partial[0, 0], partial[0, 1]
+    xa, grad_xa = torch.empty((2, n_rows, rank), dtype=torch.float32, device=rows.device)
+    _sum_splits(partial, xa, grad_xa, splits)
     return xa, grad_xa
 
 
@@ -337,9 +398,7 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa):
     # two tensors, not views of one buffer: a custom op's outputs may not alias each other
     grad_a = torch.empty((rank, n_in), dtype=torch.float32, device=rows.device)
     grad_b = torch.empty((n_out, rank), dtype=torch.float32, device=rows.device)
-    config = CONFIGS[platform]["sum_splits"]
-    _sum_splits_kernel[(layout.cdiv(size, config["BLOCK"]),)](partial, grad_b, grad_a, splits, grad_b.numel(), size,
-                                                               **config)
+    _sum_splits(partial, grad_b, grad_a, splits)
     return grad_a, grad_b
 
 
