@@ -302,10 +302,10 @@ def _launch_options(config):
     return {key: value for key, value in config.items() if key != "FILL"}
 
 
-def _sum_splits(partial, first, second, splits):
+def _sum_splits(partial, first, second, splits, platform):
     """first, second = Σ_split partial[split], partial[split] holding first's elements, then second's."""
     size = partial[0].numel()
-    config = CONFIGS[layout.platform(partial)]["sum_splits"]
+    config = CONFIGS[platform]["sum_splits"]
     _sum_splits_kernel[(layout.cdiv(size, config["BLOCK"]),)](partial, first, second, splits, first.numel(), size,
                                                                **config)
 
@@ -334,7 +334,7 @@ def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
     if splits == 1:
         return partial[0]
     out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
-    _sum_splits(partial, out, out, splits)
+    _sum_splits(partial, out, out, splits, platform)
     return out
 
 
@@ -364,7 +364,7 @@ def _project_pair(rows, grad, lora_a, lora_b, scale):
     if splits == 1:
         return partial[0, 0], partial[0, 1]
     xa, grad_xa = torch.empty((2, n_rows, rank), dtype=torch.float32, device=rows.device)
-    _sum_splits(partial, xa, grad_xa, splits)
+    _sum_splits(partial, xa, grad_xa, splits, platform)
     return xa, grad_xa
 
 
@@ -398,7 +398,7 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa):
     # two tensors, not views of one buffer: a custom op's outputs may not alias each other
     grad_a = torch.empty((rank, n_in), dtype=torch.float32, device=rows.device)
     grad_b = torch.empty((n_out, rank), dtype=torch.float32, device=rows.device)
-    _sum_splits(partial, grad_b, grad_a, splits)
+    _sum_splits(partial, grad_b, grad_a, splits, platform)
     return grad_a, grad_b
 
 
