@@ -206,25 +206,24 @@ PRECISION = {"cuda": "tf32x3", "cdna": "bf16x6", "rdna": "bf16x6", "cpu": "ieee"
 # 32-wide ones. 2: two pipeline stages where a loop feeds tl.dot (project over K, reduce_rows over rows), the depth
 # Triton's AMD stream pipeliner is built for; add_low_rank has no loop and sum_splits no dot, so they keep Triton's
 # default.
-# The projections' FILL (programs wanted a multiprocessor, made up by splitting the columns: _column_splits) is
-# absent, so one launch over the row blocks, until benchmarks/lora_configs.py's sweep of it on the GPU says
-# which value pays at which shape.
+# The projections' FILL (programs wanted a multiprocessor, made up by splitting the columns: _column_splits) is 0,
+# one launch over the row blocks, until benchmarks/lora_configs.py's sweep of it on the GPU says which value pays.
 # CPU (the interpreter): large blocks, so that its Python-level loops are few.
 CONFIGS = {
     "cuda": {
-        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=4),
+        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=4, FILL=0),
         "reduce_rows": dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
         "sum_splits": dict(BLOCK=512, num_warps=4),
     },
     "cdna": {
-        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=2, num_stages=2),
+        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=2, num_stages=2, FILL=0),
         "reduce_rows": dict(BLOCK_M=32, BLOCK_N=128, num_warps=2, num_stages=2),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=2),
         "sum_splits": dict(BLOCK=512, num_warps=2),
     },
     "rdna": {
-        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=2),
+        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=2, FILL=0),
         "reduce_rows": dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4),
         "sum_splits": dict(BLOCK=512, num_warps=4),
@@ -286,7 +285,8 @@ def _column_splits(config, programs, widest, device, platform):
     """How many splits of the columns the projections' launch of `programs` programs a split takes: enough for
     config["FILL"] programs a multiprocessor (a program streams its rows' columns with as many loads in flight
     as its tiles and stages hold, so a launch of fewer programs than multiprocessors leaves bandwidth unused), at
-    most one a BLOCK_K of the widest input. No FILL: one split. The interpreter counts one multiprocessor."""
+    most one a BLOCK_K of the widest input. FILL 0 (or none): one split. The interpreter counts one
+    multiprocessor."""
     fill = config.get("FILL", 0)
     if not fill:
         return 1
