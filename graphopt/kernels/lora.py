@@ -294,8 +294,9 @@ def _column_splits(config, programs, widest, device, platform):
     return max(1, min(wanted // max(programs, 1), layout.cdiv(widest, config["BLOCK_K"])))
 
 
-def _per_split(n_cols, splits, block_k):
-    return layout.cdiv(layout.cdiv(n_cols, splits), block_k) * block_k
+def _split_size(size, splits, block):
+    """The elements of each of `splits` splits of `size`, in whole blocks."""
+    return layout.cdiv(layout.cdiv(size, splits), block) * block
 
 
 def _launch_options(config):
@@ -320,8 +321,8 @@ def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
 
     def launch(config):
         row_blocks = layout.cdiv(n_rows, config["BLOCK_M"])
-        per_split = _per_split(n_cols, _column_splits(config, row_blocks, n_cols, x_rows.device, platform),
-                               config["BLOCK_K"])
+        per_split = _split_size(n_cols, _column_splits(config, row_blocks, n_cols, x_rows.device, platform),
+                                config["BLOCK_K"])
         splits = layout.cdiv(n_cols, per_split) if n_cols else 1  # none empty
         partial = torch.empty((splits, n_rows, rank), dtype=torch.float32, device=x_rows.device)
         _project_kernel[(row_blocks, 1, splits)](
@@ -352,7 +353,7 @@ def _project_pair(rows, grad, lora_a, lora_b, scale):
         partial = torch.empty((splits, 2, n_rows, rank), dtype=torch.float32, device=rows.device)
         _project_pair_kernel[(row_blocks, 2, splits)](
             rows, lora_a, partial[:, 0], grad, lora_b, partial[:, 1], n_rows, n_in, n_out,
-            _per_split(n_in, splits, config["BLOCK_K"]), _per_split(n_out, splits, config["BLOCK_K"]), rank,
+            _split_size(n_in, splits, config["BLOCK_K"]), _split_size(n_out, splits, config["BLOCK_K"]), rank,
             rows.stride(0), grad.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1),
             2 * n_rows * rank, scale, BLOCK_R=block_r, PRECISION=PRECISION[platform],
             SPLIT_BF16_X=_split_bf16(rows, platform), SPLIT_BF16_G=_split_bf16(grad, platform),
@@ -384,7 +385,7 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa):
         out_blocks = layout.cdiv(n_out, config["BLOCK_N"])
         col_blocks = out_blocks + layout.cdiv(n_in, config["BLOCK_N"])
         splits = max(1, min(layout.cdiv(n_rows, 4 * block_m), layout.cdiv(programs, col_blocks)))
-        rows_per_split = layout.cdiv(layout.cdiv(n_rows, splits), block_m) * block_m
+        rows_per_split = _split_size(n_rows, splits, block_m)
         splits = layout.cdiv(n_rows, rows_per_split) if n_rows else 1
         partial = torch.empty((splits, size), dtype=torch.float32, device=rows.device)  # all written
         _reduce_rows_pair_kernel[(col_blocks, splits)](
