@@ -4,7 +4,7 @@
     python benchmarks/lora_configs.py --shape 8b     # Llama-3-8B: 4096 tokens (batch 2 × 2048)
     python benchmarks/lora_configs.py --shape 8b --kernels project     # one kernel's sweep
 
-Prints, per kernel, IEEE vs tf32x3 at the current config and the 4 best configs. Each kernel is timed
+Prints, per kernel, IEEE vs tf32x3 at the current config and the best configs (4, or --top). Each kernel is timed
 (triton.testing.do_bench, µs) on the shapes one decoder layer gives it (LoRA r=16), and the times are summed
 weighted by how often a training step of one layer calls it (forward, and the backward that recomputes x·Aᵀ).
 The best config per kernel is what kernels/lora.py CONFIGS["cuda"] should hold; the reduce's number of programs
@@ -83,6 +83,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     parser.add_argument("--kernels", default=",".join(GRIDS), help=f"comma-separated, from {', '.join(GRIDS)}")
+    parser.add_argument("--top", type=int, default=4, help="how many of the best configs to print")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("lora_configs.py sweeps CUDA launch configurations: it needs a GPU")
@@ -109,7 +110,7 @@ def main():
         for label, (total, per_shape, *_) in [("current, ieee", results[0]),
                                                               ("current, tf32x3", results[1])]:
             print(f"  {label:<16} {total:9.1f}  {[round(t, 1) for t in per_shape]}")
-        for total, per_shape, _, config in sorted(results[2:], key=lambda r: r[0])[:4]:
+        for total, per_shape, _, config in sorted(results[2:], key=lambda r: r[0])[:args.top]:
             print(f"  {total:9.1f}  {[round(t, 1) for t in per_shape]}  {config}")
 
 

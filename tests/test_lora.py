@@ -207,9 +207,13 @@ def test_backward_is_four_triton_launches(monkeypatch):
     """The H200's step is partly launch-bound, so the LoRA backward takes few launches: x·Aᵀ and dY·B share one,
     dA's and dB's partial sums one, their sum one, and dX's low-rank term one, besides cuBLAS's dY·W. Several
     splits, both products' column blocks and a rank below 16 are in play; the gradients are two tensors,
-    not views of one buffer (a custom op's outputs may not alias)."""
+    not views of one buffer (a custom op's outputs may not alias). The projections' columns unsplit (FILL 0):
+    a split adds the launch that sums them, counted in the test below."""
     from graphopt.kernels import lora, reference
 
+    platform = "cuda" if DEVICE == "cuda" else "cpu"
+    monkeypatch.setitem(lora.CONFIGS[platform], "project", {**lora.CONFIGS[platform]["project"], "FILL": 0})
+    monkeypatch.setattr(lora, "_FITTED", {})
     launched = []
     for name, kernel in list(vars(lora).items()):
         if name.endswith("_kernel"):

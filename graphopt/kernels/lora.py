@@ -206,24 +206,26 @@ PRECISION = {"cuda": "tf32x3", "cdna": "bf16x6", "rdna": "bf16x6", "cpu": "ieee"
 # 32-wide ones. 2: two pipeline stages where a loop feeds tl.dot (project over K, reduce_rows over rows), the depth
 # Triton's AMD stream pipeliner is built for; add_low_rank has no loop and sum_splits no dot, so they keep Triton's
 # default.
-# The projections' FILL (programs wanted a multiprocessor, made up by splitting the columns: _column_splits) is 0,
-# one launch over the row blocks, until benchmarks/lora_configs.py's sweep of it on the GPU says which value pays.
+# The projections' FILL (programs wanted a multiprocessor, made up by splitting the columns: _column_splits) is 2,
+# in the sweep's top four at both shapes in two runs on the H200 (benchmarks/RESULTS.md, QLoRA, "The projections
+# over split columns: outcome"): the projections −21% at 8B (4,096 rows: 64 row blocks for 132 multiprocessors),
+# within the sweep's noise at 1B (8,192 rows); the lean QLoRA 8B step −7 ms. CDNA and RDNA take CUDA's FILL.
 # CPU (the interpreter): large blocks, so that its Python-level loops are few.
 CONFIGS = {
     "cuda": {
-        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=4, FILL=0),
+        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=4, FILL=2),
         "reduce_rows": dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
         "sum_splits": dict(BLOCK=512, num_warps=4),
     },
     "cdna": {
-        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=2, num_stages=2, FILL=0),
+        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=2, num_stages=2, FILL=2),
         "reduce_rows": dict(BLOCK_M=32, BLOCK_N=128, num_warps=2, num_stages=2),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=2),
         "sum_splits": dict(BLOCK=512, num_warps=2),
     },
     "rdna": {
-        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=2, FILL=0),
+        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=2, FILL=2),
         "reduce_rows": dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4),
         "sum_splits": dict(BLOCK=512, num_warps=4),
