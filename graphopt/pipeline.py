@@ -128,6 +128,11 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
         decompositions = lowering_registry.InductorDecompositions(lowering.target)
         # As config_patches, not a config.patch block: they must also reach the backward, compiled at its first run.
         settings = dict(custom_partitioner_fn=partitioner)
+        # With fallback_random the random ops (fused LoRA dropout's bernoulli_) call torch's generator in the order
+        # they run. Inductor's peak-memory reordering sees no dependency between independent draws and may move one
+        # past another (pytorch/pytorch#192635): each mask is then another's, eager's stream no longer reproduced.
+        if torch._inductor.config.fallback_random:
+            settings["reorder_for_peak_memory"] = False
         if graphs:
             settings.update({"triton.cudagraphs": True, "graph_partition": True,
                              "custom_should_partition_ops": list(lowering.uncapturable_ops)})
