@@ -32,6 +32,7 @@ def main():
     dtype = torch.float32  # the base matmuls are timed too: fp32 keeps them short on the CPU
     x, w = torch.randn(8, 32, dtype=dtype), torch.randn(48, 32, dtype=dtype)
     a, b, g = torch.randn(16, 32), torch.randn(48, 16), torch.randn(8, 48, dtype=dtype)
+    xa = x @ a.t()
     matmul = per_call_us(lambda: torch.nn.functional.linear(x, w))
     norm_w = torch.randn(32, dtype=dtype)
     q, k = torch.randn(1, 4, 8, 16, dtype=dtype), torch.randn(1, 2, 8, 16, dtype=dtype)
@@ -39,7 +40,7 @@ def main():
     head, target = torch.randn(8, 32, dtype=dtype), torch.randint(0, 48, (8,))
     rows = [
         ("lora_linear forward", lambda: lora.lora_linear_forward(x, w, None, a, b, 2.0, dtype), 1),
-        ("lora_linear backward", lambda: lora.lora_linear_backward(g, x, w, a, b, 2.0), 1),
+        ("lora_linear backward", lambda: lora.lora_linear_backward(g, x, xa, w, a, b, 2.0), 1),
         ("rms_norm forward", lambda: rmsnorm.rms_norm_forward(x, norm_w, 1e-6, 0.0, dtype), 0),
         ("rms_norm backward", lambda: rmsnorm.rms_norm_backward(x, x, norm_w, 1e-6, 0.0, False), 0),
         ("rope forward", lambda: rope.rope_forward(q, k, cos, sin), 0),

@@ -6,7 +6,7 @@
 
 Prints, per kernel, IEEE vs tf32x3 at the current config and the best configs (4, or --top). Each kernel is timed
 (triton.testing.do_bench, µs) on the shapes one decoder layer gives it (LoRA r=16), and the times are summed
-weighted by how often a training step of one layer calls it (forward, and the backward that recomputes x·Aᵀ).
+weighted by how often a training step of one layer calls it (the forward's x·Aᵀ, the backward's dY·B).
 The best config per kernel is what kernels/lora.py CONFIGS["cuda"] should hold; the reduce's number of programs
 is not swept: it is 4 × the GPU's SMs (kernels/layout.py multiprocessors). The projections' FILL is: the programs
 wanted a multiprocessor, made up by splitting the columns (0: no split); the time includes the sum of the splits.
@@ -52,11 +52,11 @@ def cases(shape, device="cuda"):
     def project_x(w):  # the forward's x·Aᵀ
         return lambda: lora._project(rows[w], a[w], a[w].stride(0), a[w].stride(1), RANK, 1.0)
 
-    def project_pair(n_in, n_out):  # the backward's x·Aᵀ and dY·B
-        return lambda: lora._project_pair(rows[n_in], rows[n_out], a[n_in], b[n_out], 1.0)
+    def project_grad(w):  # the backward's dY·B: B [out, r] read as its transpose
+        return lambda: lora._project(rows[w], b[w], b[w].stride(1), b[w].stride(0), RANK, 1.0)
 
     def reduce_rows_pair(n_in, n_out):  # dA and dB: the partial sums over row splits, then their sum
-        return lambda: lora._reduce_rows_pair(rows[n_in], rows[n_out], low, low)
+        return lambda: lora._reduce_rows_pair(rows[n_in], rows[n_out], low, low, 1.0)
 
     def add_low_rank(w):
         return lambda: lora._add_low_rank(low, b[w], b[w].stride(0), b[w].stride(1), 1.0, torch.bfloat16, w)
@@ -64,8 +64,8 @@ def cases(shape, device="cuda"):
     # add_low_rank per layer: the forward's outputs hidden (q, o, down), kv (k, v), intermediate (gate, up) and
     # the backward's dX, hidden wide for q, k, v, o, gate, up and intermediate for down
     return {
-        "project": [(project_x(hidden), 6), (project_x(intermediate), 1)]
-                   + [(project_pair(*w), n) for w, n in linears],
+        "project": [(project_x(hidden), 6), (project_x(intermediate), 1),  # q, k, v, o, gate, up; down
+                    (project_grad(hidden), 3), (project_grad(kv), 2), (project_grad(intermediate), 2)],
         "reduce_rows": [(reduce_rows_pair(*w), n) for w, n in linears],
         "add_low_rank": [(add_low_rank(hidden), 9), (add_low_rank(kv), 2), (add_low_rank(intermediate), 3)],
         "sum_splits": [(reduce_rows_pair(*w), n) for w, n in linears],  # timed with the reduce it follows

@@ -53,6 +53,7 @@ def _cases(device: torch.device, dtype: torch.dtype):
     gate, up = randn(8, 128), randn(8, 128)
     q, k, cos, sin = randn(1, 4, 8, 32), randn(1, 2, 8, 32), randn(1, 8, 32), randn(1, 8, 32)
     base, lora_a, lora_b = randn(32, 64), randn(4, 64, dtype=torch.float32), randn(32, 4, dtype=torch.float32)
+    xa = x.float() @ lora_a.t()  # the forward's x·Aᵀ, as lora_linear's backward takes it
     hidden, lm_head = randn(8, 64), randn(100, 64)
     target = torch.randint(0, 100, (8,), generator=g).to(device)
     d_hidden, d_weight = randn(8, 64, dtype=torch.float32), randn(100, 64, dtype=torch.float32)
@@ -74,7 +75,8 @@ def _cases(device: torch.device, dtype: torch.dtype):
         (graphopt.rope, (q, k, cos, sin), reference.rope),
         (graphopt.rope_backward, (q, k, cos, sin), reference.rope_backward),
         (graphopt.lora_linear, (x, base, None, lora_a, lora_b, 2.0, dtype), reference.lora_linear),
-        (graphopt.lora_linear_backward, (randn(8, 32), x, base, lora_a, lora_b, 2.0), reference.lora_linear_backward),
+        (graphopt.lora_linear_backward, (randn(8, 32), x, xa, base, lora_a, lora_b, 2.0),
+         reference.lora_linear_backward),
         (graphopt.linear_cross_entropy, (hidden, lm_head, None, target, -100, "mean", 0.0, 4, True, True),
          reference.linear_cross_entropy),
         (graphopt.linear_cross_entropy_backward, (randn(()), d_hidden, d_weight),
@@ -89,11 +91,11 @@ def _cases(device: torch.device, dtype: torch.dtype):
         (graphopt.packed_attention, (q, k, v, positions, 0.2), reference.packed_attention),
         (graphopt.packed_attention_backward, (randn(1, 4, 8, 32), q, k, v, positions, packed_out, packed_lse, 0.2),
          reference.packed_attention_backward),
-        *_4bit_cases(randn, x, lora_a, lora_b, dtype),
+        *_4bit_cases(randn, x, xa, lora_a, lora_b, dtype),
     ]
 
 
-def _4bit_cases(randn, x, lora_a, lora_b, dtype):
+def _4bit_cases(randn, x, xa, lora_a, lora_b, dtype):
     """lora_linear_4bit and its backward on a weight bitsandbytes quantizes (NF4, double quantization), checked
     against lora_linear's reference on the weight bitsandbytes dequantizes; without bitsandbytes, the reason."""
     graphopt = torch.ops.graphopt
@@ -110,11 +112,12 @@ def _4bit_cases(randn, x, lora_a, lora_b, dtype):
     def forward(x, *args):  # args end with lora_a, lora_b, scaling, out_dtype
         return reference.lora_linear(x, weight.to(x), None, *args[-4:])
 
-    def backward(grad, x, *args):  # args end with lora_a, lora_b, scaling
-        return reference.lora_linear_backward(grad, x, weight.to(x), *args[-3:])
+    def backward(grad, x, xa, *args):  # args end with lora_a, lora_b, scaling
+        return reference.lora_linear_backward(grad, x, xa, weight.to(x), *args[-3:])
 
     return [(graphopt.lora_linear_4bit, (x, *base, None, *nested, lora_a, lora_b, 2.0, dtype), forward),
-            (graphopt.lora_linear_4bit_backward, (randn(8, 32), x, *base, *nested, lora_a, lora_b, 2.0), backward)]
+            (graphopt.lora_linear_4bit_backward, (randn(8, 32), x, xa, *base, *nested, lora_a, lora_b, 2.0),
+             backward)]
 
 
 def _flat(value):

@@ -66,12 +66,13 @@ SCHEMAS = {
         type_constraints=[("T", FLOATS, ""), ("T1", FLOATS, ""), ("T2", FLOATS, "")]),
     "lora_linear": OpSchema(
         "lora_linear", DOMAIN, VERSION,
-        "Y = (X·Wᵀ + bias + ((X as lora_a's type)·Aᵀ)·Bᵀ·scaling) as out_dtype: PEFT's LoRA linear in its "
-        "operations and types (inference: no dropout).",
+        "Y = (X·Wᵀ + bias + XA·Bᵀ·scaling) as out_dtype, XA = (X as lora_a's type)·Aᵀ: PEFT's LoRA linear in its "
+        "operations and types (inference: no dropout). XA is what training's backward reads; inference leaves it "
+        "unread.",
         inputs=[_input("X", "T", "[..., in]"), _input("weight", "T", "[out, in], the frozen base"),
                 _input("bias", "T", "[out]", optional=True), _input("lora_a", "T1", "[r, in]"),
                 _input("lora_b", "T1", "[out, r]")],
-        outputs=[_input("Y", "T2", "[..., out]")],
+        outputs=[_input("Y", "T2", "[..., out]"), _input("XA", "T1", "[..., r]")],
         type_constraints=[("T", FLOATS, ""), ("T1", FLOATS, ""), ("T2", FLOATS, "")],
         attributes=[_attribute("scaling", _FLOAT, "lora_alpha / r"), _OUT_DTYPE]),
     "padded_attention": OpSchema(
@@ -107,9 +108,11 @@ def _out_dtype(ctx):
 
 
 def _infer_lora_linear(ctx):
-    weight = ctx.get_input_type(1).tensor_type
+    weight, lora_a = ctx.get_input_type(1).tensor_type, ctx.get_input_type(3).tensor_type
     out_features = weight.shape.dim[0] if weight.HasField("shape") and weight.shape.dim else None
+    rank = lora_a.shape.dim[0] if lora_a.HasField("shape") and lora_a.shape.dim else None
     _typed_like(ctx, 0, 0, _out_dtype(ctx), out_features)
+    _typed_like(ctx, 1, 0, lora_a.elem_type, rank)
 
 
 def _infer_attention(ctx):

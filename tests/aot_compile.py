@@ -94,13 +94,14 @@ def run_launch_functions(multiprocessors, dtypes):
         lora_a, lora_b = randn(16, 256, dtype=torch.float32), randn(512, 16, dtype=torch.float32)
         weight = randn(512, 256, dtype=dtype)
         lora.lora_linear_forward(randn(64, 256, dtype=dtype), weight, None, lora_a, lora_b, 2.0, dtype)
-        lora.lora_linear_backward(randn(64, 512, dtype=dtype), randn(64, 256, dtype=dtype), weight, lora_a, lora_b,
-                                  2.0)
+        lora.lora_linear_backward(randn(64, 512, dtype=dtype), randn(64, 256, dtype=dtype),
+                                  randn(64, 16, dtype=torch.float32), weight, lora_a, lora_b, 2.0)
         # 16 features in and out, a column block each, and 2 · multiprocessors splits of the fewest rows a split
         # takes (4 · BLOCK_M = 256): exactly 4 programs per multiprocessor
         many_rows, narrow = 512 * multiprocessors, randn(16, 16, dtype=torch.float32)
         lora.lora_linear_backward(randn(many_rows, 16, dtype=dtype), randn(many_rows, 16, dtype=dtype),
-                                  randn(16, 16, dtype=dtype), narrow, narrow, 2.0)
+                                  randn(many_rows, 16, dtype=torch.float32), randn(16, 16, dtype=dtype), narrow,
+                                  narrow, 2.0)
         hidden, lm_head = randn(64, 256, dtype=dtype), randn(1000, 256, dtype=dtype)
         target = torch.randint(0, 1000, (64,), generator=g)
         for softcap in (0.0, 30.0):

@@ -21,7 +21,7 @@ from graphopt.kernels import (cross_entropy, dequantize_4bit, gated_activation, 
 KERNELS = {name for module in (cross_entropy, dequantize_4bit, gated_activation, linear_logprobs, lora,
                                padded_attention, rmsnorm, rope)
            for name in vars(module) if name.endswith("_kernel")}
-MATRIX_KERNELS = {"_project_kernel", "_project_pair_kernel", "_reduce_rows_pair_kernel", "_add_low_rank_kernel"}
+MATRIX_KERNELS = {"_project_kernel", "_reduce_rows_pair_kernel", "_add_low_rank_kernel"}
 TARGETS = {  # target → (its platform, matrix instructions every LoRA kernel must use and the others may not)
     ("cuda", "90", "32"): ("cuda", {"wgmma", "mma.sync"}),
     ("cuda", "80", "32"): ("cuda", {"mma.sync"}),
@@ -59,11 +59,11 @@ def test_every_kernel_compiles_for_the_target(target):
             assert not found, c
     if target[:2] == ("cuda", "90"):  # Hopper's warpgroup MMA where a row block of 64 meets rank 16
         assert all("wgmma" in c["instructions"] for c in compiled
-                   if c["kernel"] in ("_project_kernel", "_project_pair_kernel", "_add_low_rank_kernel"))
+                   if c["kernel"] in ("_project_kernel", "_add_low_rank_kernel"))
     if target[0] == "hip":  # 2 pipeline stages, given where a loop feeds tl.dot, else Triton's AMD default
         assert all(c["options"].get("num_stages", 2) == 2 for c in compiled)
         assert all(c["options"]["num_stages"] == 2 for c in compiled
-                   if c["kernel"] in ("_project_kernel", "_project_pair_kernel", "_reduce_rows_pair_kernel"))
+                   if c["kernel"] in ("_project_kernel", "_reduce_rows_pair_kernel"))
 
 
 def threads_per_launch(compiled):

@@ -56,7 +56,7 @@ def test_matches_fp64_on_the_weight_bitsandbytes_dequantizes(quant_type, blocksi
     lora_a = (torch.randn(rank, in_features, generator=g) / in_features ** 0.5).requires_grad_()
     lora_b = (torch.randn(out_features, rank, generator=g) / rank ** 0.5).requires_grad_()
     keep, p = (torch.rand(x.shape, generator=g) > 0.3, 0.3) if dropout else (None, 0.0)
-    out = OP(x, *args, lora_a, lora_b, 0.5, dtype, *((keep, p) if dropout else ()))
+    out, _ = OP(x, *args, lora_a, lora_b, 0.5, dtype, *((keep, p) if dropout else ()))
     (want, *want_grads), probe = expected(x, weight.to(dtype), lora_a, lora_b, 0.5, keep, p)
     grads = torch.autograd.grad((out.double() * probe).sum(), (x, lora_a, lora_b))
     assert out.dtype == dtype
@@ -244,7 +244,8 @@ def test_cuda_op_matches_fp64(quant_type, nested):
     x = torch.randn(5, 200, generator=g).to("cuda", torch.bfloat16).requires_grad_()
     lora_a = (torch.randn(16, 200, generator=g) / 200 ** 0.5).cuda().requires_grad_()
     lora_b = (torch.randn(96, 16, generator=g) / 4).cuda().requires_grad_()
-    out = OP(x, packed, [96, 200], absmax[0], 64, quant_type, None, *absmax[1:], lora_a, lora_b, 0.5, torch.bfloat16)
+    out, _ = OP(x, packed, [96, 200], absmax[0], 64, quant_type, None, *absmax[1:], lora_a, lora_b, 0.5,
+                torch.bfloat16)
     dequantized = bnb_functional.dequantize_4bit(packed, state).to(torch.bfloat16)
     (want, *want_grads), probe = expected(x, dequantized, lora_a, lora_b, 0.5, None, 0.0)
     grads = torch.autograd.grad((out.double() * probe).sum(), (x, lora_a, lora_b))

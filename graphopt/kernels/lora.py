@@ -5,12 +5,13 @@ the Triton kernels write first: each output is written once by a memory-bound ke
 epilogue of a compute-bound matmul, where a separate add would read and write it again. Everything PEFT does
 around the base matmuls in the adapter dtype — the upcast of x, x·Aᵀ, ·Bᵀ, the scaling, the add, the cast back,
 and the same in the backward — runs in Triton kernels that read each large tensor once and keep fp32 values in
-registers, never in memory: no fp32 copy of x or of the output exists, saved or transient. The forward is two
-launches and a matmul (x·Aᵀ; ·Bᵀ, scale and the bias; x·Wᵀ added), the backward four and a matmul, as the H200's
-step is partly bound by how fast the CPU launches kernels: x·Aᵀ and dY·B in one, dA's and dB's partial sums over
-splits of the rows in one, their sum in one, and dX's low-rank term in one, onto which dY·W is added. Where too
-few row blocks would leave multiprocessors idle, the projections split the columns too, and one more launch sums
-the partial products (CONFIGS' FILL). The rank-r
+registers, never in memory: no fp32 copy of x or of the output exists, saved or transient. The forward's x·Aᵀ
+([tokens, rank] fp32, as PEFT's autograd keeps it) is saved for the backward, which would otherwise read x once
+more to recompute it. The forward is two launches and a matmul (x·Aᵀ; ·Bᵀ, scale and the bias; x·Wᵀ added), the
+backward four and a matmul, as the H200's step is partly bound by how fast the CPU launches kernels: dY·B in one,
+dA's and dB's partial sums over splits of the rows in one, their sum in one, and dX's low-rank term in one, onto
+which dY·W is added. Where too few row blocks would leave multiprocessors idle, the projections split the columns
+too, and one more launch sums the partial products (CONFIGS' FILL). The rank-r
 products keep fp32's accuracy on tensor cores: with a bf16 x, bf16 dots on the fp32 operand split in two bf16
 parts (below, _split); otherwise "tf32x3", three TF32 products (PEFT's fp32 matmuls run without TF32). Plain fp32
 "ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (2.4x slower in the 1B step
@@ -57,10 +58,10 @@ def _dot_bf16x3(a, b):
     return tl.dot(a_hi, b_hi) + tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi)
 
 
-@triton.jit
-def _project_row_block(X, W, Y, n_rows, n_cols, cols_per_split, rank, stride_x, stride_wr, stride_wk, stride_split,
-                       scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                       PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):
+@triton.jit(do_not_specialize=["n_rows", "stride_split"])  # token-count sizes: kernels/layout.py
+def _project_kernel(X, W, Y, n_rows, n_cols, cols_per_split, rank, stride_x, stride_wr, stride_wk, stride_split,
+                    scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                    PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):
     # Y[split, m, r] = scale · Σ_k X[m, k] · W[r, k] over the split's columns, for the rows of block program_id(0)
     # and the split program_id(2) (one split: Y[0] is the product); Y[split] is [n_rows, rank] fp32, contiguous
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -81,30 +82,6 @@ def _project_row_block(X, W, Y, n_rows, n_cols, cols_per_split, rank, stride_x, 
             acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)
     tl.store(Y + split * stride_split + rows[:, None] * rank + ranks[None, :], acc * scale,
              mask=(rows < n_rows)[:, None] & (ranks < rank)[None, :])
-
-
-@triton.jit(do_not_specialize=["n_rows", "stride_split"])  # token-count sizes: kernels/layout.py
-def _project_kernel(X, W, Y, n_rows, n_cols, cols_per_split, rank, stride_x, stride_wr, stride_wk, stride_split,
-                    scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                    PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):
-    _project_row_block(X, W, Y, n_rows, n_cols, cols_per_split, rank, stride_x, stride_wr, stride_wk, stride_split,
-                       scale, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16)
-
-
-@triton.jit(do_not_specialize=["n_rows", "stride_split"])  # token-count sizes: kernels/layout.py
-def _project_pair_kernel(X, A, XA, G, B, GRAD_XA, n_rows, n_in, n_out, in_per_split, out_per_split, rank, stride_x,
-                         stride_g, stride_a0, stride_a1, stride_b0, stride_b1, stride_split, scale,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                         PRECISION: tl.constexpr, SPLIT_BF16_X: tl.constexpr, SPLIT_BF16_G: tl.constexpr):
-    # The backward's two projections in one launch, program_id(1) picks which: XA = scale · X·Aᵀ from
-    # X [n_rows, n_in], GRAD_XA = scale · G·B from G [n_rows, n_out]; B is [n_out, rank], read as its transpose.
-    # The branch is uniform over a program, and each side compiles to what _project_kernel runs alone.
-    if tl.program_id(1) == 0:
-        _project_row_block(X, A, XA, n_rows, n_in, in_per_split, rank, stride_x, stride_a0, stride_a1, stride_split,
-                           scale, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16_X)
-    else:
-        _project_row_block(G, B, GRAD_XA, n_rows, n_out, out_per_split, rank, stride_g, stride_b1, stride_b0,
-                           stride_split, scale, BLOCK_M, BLOCK_K, BLOCK_R, PRECISION, SPLIT_BF16_G)
 
 
 @triton.jit
@@ -154,15 +131,16 @@ def _reduce_rows_pair_kernel(G, XA, GRAD_XA, X, P, n_rows, n_out, n_in, rank, ro
 
 
 @triton.jit(do_not_specialize=["splits", "first_size", "size"])  # token-count sizes: kernels/layout.py
-def _sum_splits_kernel(P, FIRST, SECOND, splits, first_size, size, BLOCK: tl.constexpr):
-    # FIRST, SECOND = Σ_split P[split], P[split] being FIRST's first_size elements then SECOND's (dB's then dA's from
-    # _reduce_rows_pair_kernel; the projections' partial sums over column splits), in a fixed order: deterministic
+def _sum_splits_kernel(P, FIRST, SECOND, splits, first_size, size, scale_first, BLOCK: tl.constexpr):
+    # FIRST, SECOND = scale_first · Σ_split P[split], Σ_split P[split], P[split] being FIRST's first_size elements
+    # then SECOND's (dB's then dA's from _reduce_rows_pair_kernel; the projections' partial sums over column
+    # splits), in a fixed order: deterministic
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for _ in range(0, splits):
         acc += tl.load(P + offsets, mask=offsets < size, other=0.0)
         P += size  # the next split's partial sums
-    tl.store(FIRST + offsets, acc, mask=offsets < first_size)
+    tl.store(FIRST + offsets, acc * scale_first, mask=offsets < first_size)
     tl.store(SECOND + (offsets - first_size), acc, mask=(offsets >= first_size) & (offsets < size))
 
 
@@ -305,12 +283,13 @@ def _launch_options(config):
     return {key: value for key, value in config.items() if key != "FILL"}
 
 
-def _sum_splits(partial, first, second, splits, platform):
-    """first, second = Σ_split partial[split], partial[split] holding first's elements, then second's."""
+def _sum_splits(partial, first, second, splits, platform, scale_first=1.0):
+    """first, second = scale_first · Σ_split partial[split], Σ_split partial[split], partial[split] holding
+    first's elements, then second's."""
     size = partial[0].numel()
     config = CONFIGS[platform]["sum_splits"]
     _sum_splits_kernel[(layout.cdiv(size, config["BLOCK"]),)](partial, first, second, splits, first.numel(), size,
-                                                               **config)
+                                                               scale_first, **config)
 
 
 def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
@@ -341,39 +320,10 @@ def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
     return out
 
 
-def _project_pair(rows, grad, lora_a, lora_b, scale):
-    """(scale · rows · Aᵀ, scale · grad · B), both [rows, rank] fp32, from one launch (and one that adds up the
-    partial products, where the columns are split as in _project)."""
-    n_rows, n_in = rows.shape
-    n_out, rank = grad.shape[1], lora_a.shape[0]
-    platform = layout.platform(rows)
-    block_r = _block_r(rank)
-
-    def launch(config):
-        row_blocks = layout.cdiv(n_rows, config["BLOCK_M"])
-        splits = _column_splits(config, 2 * row_blocks, max(n_in, n_out), rows.device, platform)
-        partial = torch.empty((splits, 2, n_rows, rank), dtype=torch.float32, device=rows.device)
-        _project_pair_kernel[(row_blocks, 2, splits)](
-            rows, lora_a, partial[:, 0], grad, lora_b, partial[:, 1], n_rows, n_in, n_out,
-            _split_size(n_in, splits, config["BLOCK_K"]), _split_size(n_out, splits, config["BLOCK_K"]), rank,
-            rows.stride(0), grad.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1),
-            2 * n_rows * rank, scale, BLOCK_R=block_r, PRECISION=PRECISION[platform],
-            SPLIT_BF16_X=_split_bf16(rows, platform), SPLIT_BF16_G=_split_bf16(grad, platform),
-            **_launch_options(config))
-        return partial, splits
-
-    key = (rows.dtype, grad.dtype, block_r, rows.device)
-    partial, splits = _fitting(_project_pair_kernel, "project", platform, key, launch)
-    if splits == 1:
-        return partial[0, 0], partial[0, 1]
-    xa, grad_xa = torch.empty((2, n_rows, rank), dtype=torch.float32, device=rows.device)
-    _sum_splits(partial, xa, grad_xa, splits, platform)
-    return xa, grad_xa
-
-
-def _reduce_rows_pair(rows, grad, xa, grad_xa):
-    """(grad_xaᵀ · rows [rank, in], gradᵀ · xa [out, rank]) fp32, reduced over rows in splits (enough programs for
-    both products to fill the GPU) by one launch, whose partial sums a second one adds up."""
+def _reduce_rows_pair(rows, grad, xa, grad_xa, scale_b):
+    """(grad_xaᵀ · rows [rank, in], scale_b · gradᵀ · xa [out, rank]) fp32, reduced over rows in splits (enough
+    programs for both products to fill the GPU) by one launch, whose partial sums a second one adds up and
+    scales."""
     n_rows, n_in = rows.shape
     n_out, rank = grad.shape[1], xa.shape[1]
     platform = layout.platform(rows)
@@ -401,7 +351,7 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa):
     # two tensors, not views of one buffer: a custom op's outputs may not alias each other
     grad_a = torch.empty((rank, n_in), dtype=torch.float32, device=rows.device)
     grad_b = torch.empty((n_out, rank), dtype=torch.float32, device=rows.device)
-    _sum_splits(partial, grad_b, grad_a, splits, platform)
+    _sum_splits(partial, grad_b, grad_a, splits, platform, scale_b)
     return grad_a, grad_b
 
 
@@ -436,6 +386,7 @@ def supported_dtypes(x_dtype, weight_dtype, adapter_dtype) -> bool:
 
 
 def lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
+    """(out, xa), xa = x·Aᵀ [..., rank] fp32, which the backward reads as saved."""
     rows = as_rows(x, x.shape[-1])
     xa = _project(rows, lora_a, lora_a.stride(0), lora_a.stride(1), lora_a.shape[0], 1.0)
     # out = x·Wᵀ + bias + (xa · Bᵀ) · scaling; B is [out, rank]: W[n, r] = B[n, r]
@@ -448,15 +399,16 @@ def lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
         base = torch.nn.functional.linear(rows, weight, bias)
         out = _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0],
                             base=base)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0]), xa.view(*x.shape[:-1], lora_a.shape[0])
 
 
-def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling):
+def lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling):
     rows = as_rows(x, x.shape[-1])
     grad = as_rows(grad_out, weight.shape[0])
-    # x·Aᵀ recomputed, scaled here as only dB reads it; d(xa) = scaling · dY·B. Both [tokens, rank]
-    xa_scaled, grad_xa = _project_pair(rows, grad, lora_a, lora_b, scaling)
-    grad_a, grad_b = _reduce_rows_pair(rows, grad, xa_scaled, grad_xa)  # d(xa)ᵀ · x [rank, in], dYᵀ · xa_scaled
+    # d(xa) = scaling · dY·B [tokens, rank]; B is [out, rank], read as the [rank, out] matrix Bᵀ
+    grad_xa = _project(grad, lora_b, lora_b.stride(1), lora_b.stride(0), lora_b.shape[1], scaling)
+    # d(xa)ᵀ · x [rank, in], scaling · dYᵀ · xa [out, rank]
+    grad_a, grad_b = _reduce_rows_pair(rows, grad, xa.reshape(-1, xa.shape[-1]).contiguous(), grad_xa, scaling)
     # dX = d(xa)·A + dY·W: the low-rank term rounded to x's dtype (as autograd's accumulation of two gradients
     # rounds it), then cuBLAS adds dY·W onto it; A is [rank, in]: W[n, r] = A[r, n]
     grad_x = _add_low_rank(grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, rows.shape[1])

@@ -94,30 +94,32 @@ def rope_backward(grad_q, grad_k, cos, sin):
 # LoRA linear (PEFT): out = (x·Wᵀ + b + (drop(x as adapter dtype)·Aᵀ)·Bᵀ · scaling) as out_dtype, the same
 # operations in the same dtypes as PEFT's eager forward. Only A and B train; the base weight and bias are frozen.
 # drop is PEFT's lora_dropout in training: with a keep mask (bool, x's shape) drawn for the step, drop(v) =
-# v · mask · 1/(1 − p), the arithmetic of torch's dropout; without one, the identity.
+# v · mask · 1/(1 − p), the arithmetic of torch's dropout; without one, the identity. The forward also gives
+# xa = drop(x as adapter dtype)·Aᵀ [..., rank], the low-rank input of B: the backward takes it as saved, as
+# PEFT's autograd saves it, where recomputing it would read x once more.
 
 def _dropped(v, dropout_mask, dropout_p):
     return v if dropout_mask is None else v * dropout_mask * (1.0 / (1.0 - dropout_p))
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+    """(out, xa)."""
     base = torch.nn.functional.linear(x, weight, bias)
-    x_adapter = _dropped(x.to(lora_a.dtype), dropout_mask, dropout_p)
-    lora = torch.nn.functional.linear(torch.nn.functional.linear(x_adapter, lora_a), lora_b) * scaling
+    xa = torch.nn.functional.linear(_dropped(x.to(lora_a.dtype), dropout_mask, dropout_p), lora_a)
+    lora = torch.nn.functional.linear(xa, lora_b) * scaling
     # the add in out_dtype where it is the wider: PEFT's 4-bit layer under autocast adds a base it cast back up
-    return (base.to(torch.promote_types(base.dtype, out_dtype)) + lora).to(out_dtype)
+    return (base.to(torch.promote_types(base.dtype, out_dtype)) + lora).to(out_dtype), xa
 
 
-def lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
-    """(grad_x, grad_a, grad_b). The adapter-dtype copy of x (dropped) and x·Aᵀ are recomputed here, never
-    saved; the dropout's gradient goes through the same mask."""
+def lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
+    """(grad_x, grad_a, grad_b), from x and the forward's xa. The adapter-dtype copy of x (dropped) is recomputed
+    here, never saved; the dropout's gradient goes through the same mask."""
     base_dtype = torch.promote_types(x.dtype, weight.dtype)
     grad = grad_out.to(torch.promote_types(base_dtype, lora_b.dtype))
     grad_lora = (grad * scaling).to(lora_b.dtype).reshape(-1, lora_b.shape[0])
     mask = None if dropout_mask is None else dropout_mask.reshape(-1, x.shape[-1])
     x_adapter = _dropped(x.to(lora_a.dtype).reshape(-1, x.shape[-1]), mask, dropout_p)
-    xa = x_adapter @ lora_a.t()
-    grad_b = grad_lora.t() @ xa
+    grad_b = grad_lora.t() @ xa.reshape(-1, lora_a.shape[0]).to(lora_b.dtype)
     grad_xa = grad_lora @ lora_b
     grad_a = grad_xa.t() @ x_adapter
     grad_x_lora = _dropped(grad_xa @ lora_a, mask, dropout_p).to(x.dtype).reshape(x.shape)
@@ -152,12 +154,12 @@ def lora_linear_4bit(x, packed, shape, absmax, blocksize, quant_type, bias, absm
     return lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
 
 
-def lora_linear_4bit_backward(grad_out, x, packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code,
-                              absmax_offset, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
+def lora_linear_4bit_backward(grad_out, x, xa, packed, shape, absmax, blocksize, quant_type, absmax_8bit,
+                              absmax_code, absmax_offset, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
     """(grad_x, grad_a, grad_b), the base weight dequantized again."""
     weight = dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code, absmax_offset,
                              x.dtype)
-    return lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
+    return lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
 
 
 # Linear + cross-entropy (lm_head → loss), in row chunks so the [tokens × vocab] logits never exist at once:

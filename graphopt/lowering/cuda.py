@@ -26,11 +26,13 @@ IMPLEMENTATIONS = {
                                      "place through their strides)",
     torch.ops.graphopt.rope_backward.default: "Triton kernel kernels/rope.py:_rope_kernel, transposed rotation "
                                               "(only cos and sin saved)",
-    torch.ops.graphopt.lora_linear.default: "cuBLAS base matmul + Triton kernels kernels/lora.py (x·Aᵀ; scale, add "
-                                            "and cast fused with ·Bᵀ): no fp32 copy of x or of the output",
+    torch.ops.graphopt.lora_linear.default: "cuBLAS base matmul + Triton kernels kernels/lora.py (x·Aᵀ, kept for "
+                                            "the backward; scale, add and cast fused with ·Bᵀ): no fp32 copy of x "
+                                            "or of the output",
     torch.ops.graphopt.lora_linear_backward.default: "cuBLAS dY·W + Triton kernels kernels/lora.py: dX, dA, dB "
-                                                     "from x as saved (bf16), no fp32 copies, in four launches "
-                                                     "(x·Aᵀ and dY·B; dA and dB over row splits; their sum; dX)",
+                                                     "from x as saved (bf16) and the forward's x·Aᵀ, no fp32 copies, "
+                                                     "in four launches (dY·B; dA and dB over row splits; their sum; "
+                                                     "dX)",
     torch.ops.graphopt.lora_linear_4bit.default: DEQUANTIZE_4BIT + " of the base into a temporary, then "
                                                  "lora_linear's kernels (cuBLAS base matmul + Triton kernels "
                                                  "kernels/lora.py)",
@@ -274,16 +276,18 @@ def _packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale)
 def _lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
     ops.check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
     if dropout_mask is not None or not lora.supported(x, weight, lora_a, lora_b):
-        return reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
+        out, xa = reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
+        return out.contiguous(), xa.contiguous()
     return lora.lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, out_dtype)
 
 
-def _lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
-    ops.check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
+def _lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
+    ops.check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p, xa=xa)
     if dropout_mask is not None or not lora.supported(x, weight, lora_a, lora_b):
-        grads = reference.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
+        grads = reference.lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask,
+                                               dropout_p)
         return tuple(g.contiguous() for g in grads)
-    return lora.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling)
+    return lora.lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling)
 
 
 # QLoRA's base: dequantized into a temporary in one launch (the caching allocator hands the same block back to the
@@ -297,12 +301,12 @@ def _lora_linear_4bit(x, packed, shape, absmax, blocksize, quant_type, bias, abs
     return _lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
 
 
-def _lora_linear_4bit_backward(grad_out, x, packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code,
-                               absmax_offset, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
-    ops.check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
+def _lora_linear_4bit_backward(grad_out, x, xa, packed, shape, absmax, blocksize, quant_type, absmax_8bit,
+                               absmax_code, absmax_offset, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
+    ops.check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p, xa)
     weight = dequantize_4bit.dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code,
                                              absmax_offset, x.dtype)
-    return _lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
+    return _lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
 
 
 # The caching allocator's expandable segments. Fine-tuning batches change length every step, and with fixed-size

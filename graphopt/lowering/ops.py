@@ -200,41 +200,48 @@ rope.register_autograd(_rope_grad, setup_context=_rope_setup_context)
 
 @torch.library.custom_op("graphopt::lora_linear", mutates_args=())
 def lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
-                out_dtype: torch.dtype, dropout_mask: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
-    """Frozen base linear plus LoRA path, PEFT's operations and dtypes; the backward gives dX, dA, dB only. With a
+                out_dtype: torch.dtype, dropout_mask: Optional[Tensor] = None,
+                dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(out, xa): frozen base linear plus LoRA path, PEFT's operations and dtypes, and xa = x·Aᵀ [..., rank] in
+    the adapters' dtype, which the backward reads as saved; the backward gives dX, dA, dB only. With a
     dropout_mask (bool, x's shape: the elements kept), the adapters see x dropped as torch's dropout with
     probability dropout_p drops it (kernels/reference.py)."""
     check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
-    return reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask,
-                                 dropout_p).contiguous()
+    out, xa = reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
+    return out.contiguous(), xa.contiguous()
+
+
+def _lora_outputs(x, out_features, lora_a, out_dtype):
+    return (x.new_empty((*x.shape[:-1], out_features), dtype=out_dtype),
+            x.new_empty((*x.shape[:-1], lora_a.shape[0]), dtype=lora_a.dtype))
 
 
 @lora_linear.register_fake
 def _lora_linear_fake(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
     check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+    return _lora_outputs(x, weight.shape[0], lora_a, out_dtype)
 
 
 @torch.library.custom_op("graphopt::lora_linear_backward", mutates_args=())
-def lora_linear_backward(grad_out: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
+def lora_linear_backward(grad_out: Tensor, x: Tensor, xa: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor,
                          scaling: float, dropout_mask: Optional[Tensor] = None,
                          dropout_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_x, grad_a, grad_b); the adapter-dtype copy of x is recomputed (through the same dropout mask), so only
-    x itself, and the mask, are saved."""
-    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
-    grads = reference.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
+    """(grad_x, grad_a, grad_b) from x and the forward's xa; the adapter-dtype copy of x is recomputed (through the
+    same dropout mask), so only x itself, xa and the mask are saved."""
+    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p, xa=xa)
+    grads = reference.lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
     return tuple(g.contiguous() for g in grads)
 
 
 @lora_linear_backward.register_fake
-def _lora_linear_backward_fake(grad_out, x, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
-    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
+def _lora_linear_backward_fake(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
+    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p, xa=xa)
     return x.new_empty(x.shape), lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)
 
 
-def check_lora_linear(x, weight, lora_a, lora_b, dropout_mask=None, dropout_p=0.0, op="lora_linear"):
+def check_lora_linear(x, weight, lora_a, lora_b, dropout_mask=None, dropout_p=0.0, op="lora_linear", xa=None):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it. weight: the base
-    weight, or its shape (lora_linear_4bit)."""
+    weight, or its shape (lora_linear_4bit); xa, in the backward: the forward's x·Aᵀ."""
     shape = tuple(weight.shape) if isinstance(weight, Tensor) else tuple(weight)
     torch._check(len(shape) == 2 and lora_a.dim() == 2 and lora_b.dim() == 2,
                  lambda: f"{op}: weight, lora_a and lora_b must be matrices")
@@ -245,21 +252,25 @@ def check_lora_linear(x, weight, lora_a, lora_b, dropout_mask=None, dropout_p=0.
     torch._check(dropout_mask is None or (dropout_mask.dtype == torch.bool and dropout_mask.shape == x.shape),
                  lambda: f"{op}: dropout_mask must be a bool tensor of x's shape {tuple(x.shape)}")
     torch._check(0.0 <= dropout_p < 1.0, lambda: f"{op}: dropout_p={dropout_p} must be in [0, 1)")
+    torch._check(xa is None or (xa.shape == (*x.shape[:-1], lora_a.shape[0]) and xa.dtype == lora_a.dtype),
+                 lambda: f"{op}_backward: xa {tuple(xa.shape)} {xa.dtype} is not the forward's x·Aᵀ "
+                         f"{(*x.shape[:-1], lora_a.shape[0])} {lora_a.dtype}")
 
 
 def _lora_setup_context(ctx, inputs, output):
     x, weight, bias, lora_a, lora_b, scaling, _, dropout_mask, dropout_p = inputs
-    ctx.save_for_backward(x, weight, lora_a, lora_b, dropout_mask)
+    ctx.save_for_backward(x, output[1], weight, lora_a, lora_b, dropout_mask)
     ctx.scaling, ctx.dropout_p = scaling, dropout_p
 
 
-def _lora_grad(ctx, grad_out):
-    x, weight, lora_a, lora_b, dropout_mask = ctx.saved_tensors
+def _lora_grad(ctx, grad_out, _grad_xa):
+    """xa is the backward's saved input, not a value the model reads: it takes no gradient."""
+    x, xa, weight, lora_a, lora_b, dropout_mask = ctx.saved_tensors
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         raise RuntimeError("graphopt::lora_linear computes no gradient for the base weight or bias: they must be "
                            "frozen (requires_grad=False), as PEFT leaves them; the fusion pass never fuses otherwise")
-    grad_x, grad_a, grad_b = torch.ops.graphopt.lora_linear_backward(grad_out, x, weight, lora_a, lora_b, ctx.scaling,
-                                                                     dropout_mask, ctx.dropout_p)
+    grad_x, grad_a, grad_b = torch.ops.graphopt.lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b,
+                                                                     ctx.scaling, dropout_mask, ctx.dropout_p)
     return grad_x, None, None, grad_a, grad_b, None, None, None, None
 
 
@@ -275,49 +286,53 @@ QUANT_TYPES = ("nf4", "fp4")
 def lora_linear_4bit(x: Tensor, packed: Tensor, shape: list[int], absmax: Tensor, blocksize: int, quant_type: str,
                      bias: Optional[Tensor], absmax_8bit: Optional[Tensor], absmax_code: Optional[Tensor],
                      absmax_offset: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
-                     out_dtype: torch.dtype, dropout_mask: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
-    """lora_linear over a frozen bitsandbytes 4-bit base, given as bitsandbytes::gemm_4bit takes it: packed codes
-    (uint8, two a byte), the weight's [out, in] shape, the absmax (with double quantization the nested absmax,
-    then absmax_8bit, absmax_code and absmax_offset), the block size and quant type. The base is dequantized in
-    x's dtype for each call and never kept; the backward gives dX, dA, dB only (kernels/reference.py)."""
+                     out_dtype: torch.dtype, dropout_mask: Optional[Tensor] = None,
+                     dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    """lora_linear (out, xa) over a frozen bitsandbytes 4-bit base, given as bitsandbytes::gemm_4bit takes it:
+    packed codes (uint8, two a byte), the weight's [out, in] shape, the absmax (with double quantization the nested
+    absmax, then absmax_8bit, absmax_code and absmax_offset), the block size and quant type. The base is
+    dequantized in x's dtype for each call and never kept; the backward gives dX, dA, dB only
+    (kernels/reference.py)."""
     check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
-    return reference.lora_linear_4bit(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit,
-                                      absmax_code, absmax_offset, lora_a, lora_b, scaling, out_dtype, dropout_mask,
-                                      dropout_p).contiguous()
+    out, xa = reference.lora_linear_4bit(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit,
+                                         absmax_code, absmax_offset, lora_a, lora_b, scaling, out_dtype, dropout_mask,
+                                         dropout_p)
+    return out.contiguous(), xa.contiguous()
 
 
 @lora_linear_4bit.register_fake
 def _lora_linear_4bit_fake(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code,
                            absmax_offset, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
     check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
-    return x.new_empty((*x.shape[:-1], shape[0]), dtype=out_dtype)
+    return _lora_outputs(x, shape[0], lora_a, out_dtype)
 
 
 @torch.library.custom_op("graphopt::lora_linear_4bit_backward", mutates_args=())
-def lora_linear_4bit_backward(grad_out: Tensor, x: Tensor, packed: Tensor, shape: list[int], absmax: Tensor,
-                              blocksize: int, quant_type: str, absmax_8bit: Optional[Tensor],
+def lora_linear_4bit_backward(grad_out: Tensor, x: Tensor, xa: Tensor, packed: Tensor, shape: list[int],
+                              absmax: Tensor, blocksize: int, quant_type: str, absmax_8bit: Optional[Tensor],
                               absmax_code: Optional[Tensor], absmax_offset: Optional[Tensor], lora_a: Tensor,
                               lora_b: Tensor, scaling: float, dropout_mask: Optional[Tensor] = None,
                               dropout_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_x, grad_a, grad_b): the base dequantized again, never saved by the forward."""
-    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
-    grads = reference.lora_linear_4bit_backward(grad_out, x, packed, shape, absmax, blocksize, quant_type,
+    """(grad_x, grad_a, grad_b) from x and the forward's xa: the base dequantized again, never saved by the
+    forward."""
+    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p, xa)
+    grads = reference.lora_linear_4bit_backward(grad_out, x, xa, packed, shape, absmax, blocksize, quant_type,
                                                 absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b, scaling,
                                                 dropout_mask, dropout_p)
     return tuple(g.contiguous() for g in grads)
 
 
 @lora_linear_4bit_backward.register_fake
-def _lora_linear_4bit_backward_fake(grad_out, x, packed, shape, absmax, blocksize, quant_type, absmax_8bit,
+def _lora_linear_4bit_backward_fake(grad_out, x, xa, packed, shape, absmax, blocksize, quant_type, absmax_8bit,
                                     absmax_code, absmax_offset, lora_a, lora_b, scaling, dropout_mask=None,
                                     dropout_p=0.0):
-    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
+    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p, xa)
     return x.new_empty(x.shape), lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)
 
 
 def check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask=None,
-                           dropout_p=0.0):
-    """The op's input contract; every implementation checks it."""
+                           dropout_p=0.0, xa=None):
+    """The op's input contract; every implementation checks it (xa: as check_lora_linear's)."""
     torch._check(len(shape) == 2 and packed.dtype == torch.uint8
                  and packed.numel() == (shape[0] * shape[1] + 1) // 2,
                  lambda: f"lora_linear_4bit: packed must hold the {shape} weight's 4-bit codes two a byte (uint8), "
@@ -325,24 +340,25 @@ def check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora
     torch._check(quant_type in QUANT_TYPES and blocksize >= 2 and blocksize & (blocksize - 1) == 0,
                  lambda: f"lora_linear_4bit: quant_type {quant_type!r} must be one of {QUANT_TYPES}, blocksize "
                          f"{blocksize} a power of 2 (bitsandbytes makes 32 to 4096)")
-    check_lora_linear(x, shape, lora_a, lora_b, dropout_mask, dropout_p, op="lora_linear_4bit")
+    check_lora_linear(x, shape, lora_a, lora_b, dropout_mask, dropout_p, op="lora_linear_4bit", xa=xa)
 
 
 def _lora_4bit_setup_context(ctx, inputs, output):
     (x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b,
      scaling, _, dropout_mask, dropout_p) = inputs
-    ctx.save_for_backward(x, packed, absmax, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b, dropout_mask)
+    ctx.save_for_backward(x, output[1], packed, absmax, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b,
+                          dropout_mask)
     ctx.shape, ctx.blocksize, ctx.quant_type, ctx.scaling, ctx.dropout_p = shape, blocksize, quant_type, scaling, \
         dropout_p
 
 
-def _lora_4bit_grad(ctx, grad_out):
-    x, packed, absmax, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b, dropout_mask = ctx.saved_tensors
+def _lora_4bit_grad(ctx, grad_out, _grad_xa):
+    x, xa, packed, absmax, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b, dropout_mask = ctx.saved_tensors
     if ctx.needs_input_grad[6]:
         raise RuntimeError("graphopt::lora_linear_4bit computes no gradient for the base bias: it must be frozen "
                            "(requires_grad=False), as PEFT leaves it; the fusion pass never fuses otherwise")
     grad_x, grad_a, grad_b = torch.ops.graphopt.lora_linear_4bit_backward(
-        grad_out, x, packed, ctx.shape, absmax, ctx.blocksize, ctx.quant_type, absmax_8bit, absmax_code,
+        grad_out, x, xa, packed, ctx.shape, absmax, ctx.blocksize, ctx.quant_type, absmax_8bit, absmax_code,
         absmax_offset, lora_a, lora_b, ctx.scaling, dropout_mask, ctx.dropout_p)
     return (grad_x, *[None] * 9, grad_a, grad_b, None, None, None, None)
 

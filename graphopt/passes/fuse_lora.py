@@ -55,7 +55,7 @@ from torch.fx import GraphModule, Node
 from graphopt.passes.describe import module_classes, module_path, record_for, source_location
 from graphopt.passes.match import (FUSABLE_DTYPES, autocast_dtype, autocast_regions, is_call, is_cast, is_scalar,
                                    is_tensor, only_user, value)
-from graphopt.passes.rewrite import Miss, replace
+from graphopt.passes.rewrite import Miss, replace_with_first
 
 PATTERN = "lora"
 PATTERN_4BIT = "lora_4bit"  # the same fusion over a bitsandbytes 4-bit base (QLoRA)
@@ -295,7 +295,10 @@ def fuse_lora(gm: GraphModule, report) -> int:
         with gm.graph.inserting_before(end):
             dropout = (_keep_mask(gm, args[0], value(args[-3]).dtype, dropout_p), dropout_p) if dropout_p else ()
         target = torch.ops.graphopt.lora_linear_4bit.default if quantized else torch.ops.graphopt.lora_linear.default
-        op = replace(end, target, (*args, value(end).dtype, *dropout), dead=nodes)
+        lora_a = value(args[-3])
+        cast = autocast if autocast and lora_a.dtype != torch.float64 else None  # as the op's autocast rule casts
+        xa = value(end).new_empty((*value(end).shape[:-1], lora_a.shape[0]), dtype=cast or lora_a.dtype)
+        op = replace_with_first(end, target, (*args, value(end).dtype, *dropout), (value(end), xa), dead=nodes)
         report.fusions.append(record_for(op, PATTERN_4BIT if quantized else PATTERN))
         fused += 1
     delta = next((n for n in gm.graph.nodes if _PARAMETER_DELTA_SOURCE.search(n.meta.get("stack_trace") or "")),

@@ -1,5 +1,8 @@
 """The rewrite skeleton the fusion passes share: a Miss says why a candidate stays as it is (the report's miss
-reason); replace() puts the fused call where the subgraph's result was and erases what nothing reads any more."""
+reason); replace() (replace_with_first() for a call returning a tuple) puts the fused call where the subgraph's
+result was and erases what nothing reads any more."""
+
+import operator
 
 from torch.fx import Node
 
@@ -28,6 +31,20 @@ def replace(end: Node, target, args, meta=None, dead=()) -> Node:
         new = graph.call_function(target, tuple(args))
     new.meta = dict(end.meta) if meta is None else meta
     end.replace_all_uses_with(new)
+    erase_unused([end, *dead])
+    return new
+
+
+def replace_with_first(end: Node, target, args, example_value, dead=()) -> Node:
+    """replace() for a target that returns a tuple whose first element stands for end (the rest feed its
+    backward): the call and its getitem 0, which takes over end's uses. example_value: the call's tuple."""
+    graph = end.graph
+    with graph.inserting_before(end):
+        new = graph.call_function(target, tuple(args))
+        first = graph.call_function(operator.getitem, (new, 0))
+    new.meta = dict(end.meta, example_value=example_value)
+    first.meta = dict(end.meta)
+    end.replace_all_uses_with(first)
     erase_unused([end, *dead])
     return new
 
