@@ -119,7 +119,7 @@ def lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropo
     grad_lora = (grad * scaling).to(lora_b.dtype).reshape(-1, lora_b.shape[0])
     mask = None if dropout_mask is None else dropout_mask.reshape(-1, x.shape[-1])
     x_adapter = _dropped(x.to(lora_a.dtype).reshape(-1, x.shape[-1]), mask, dropout_p)
-    grad_b = grad_lora.t() @ xa.reshape(-1, lora_a.shape[0]).to(lora_b.dtype)
+    grad_b = grad_lora.t() @ xa.reshape(-1, lora_a.shape[0])
     grad_xa = grad_lora @ lora_b
     grad_a = grad_xa.t() @ x_adapter
     grad_x_lora = _dropped(grad_xa @ lora_a, mask, dropout_p).to(x.dtype).reshape(x.shape)

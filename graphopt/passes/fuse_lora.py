@@ -295,9 +295,7 @@ def fuse_lora(gm: GraphModule, report) -> int:
         with gm.graph.inserting_before(end):
             dropout = (_keep_mask(gm, args[0], value(args[-3]).dtype, dropout_p), dropout_p) if dropout_p else ()
         target = torch.ops.graphopt.lora_linear_4bit.default if quantized else torch.ops.graphopt.lora_linear.default
-        lora_a = value(args[-3])
-        cast = autocast if autocast and lora_a.dtype != torch.float64 else None  # as the op's autocast rule casts
-        xa = value(end).new_empty((*value(end).shape[:-1], lora_a.shape[0]), dtype=cast or lora_a.dtype)
+        xa = value(_linear_args(lora_b)[0])  # lora_A's output: the op's second, in the dtype autocast gave it
         op = replace_with_first(end, target, (*args, value(end).dtype, *dropout), (value(end), xa), dead=nodes)
         report.fusions.append(record_for(op, PATTERN_4BIT if quantized else PATTERN))
         fused += 1
