@@ -11,7 +11,8 @@ this module adds:
   (save_layer_boundaries), so 0 means per-layer checkpointing: each layer's backward recomputes that layer's
   forward only, and what is saved is the residual stream between layers, which offload=True then moves to host
   memory. The fused loss is never recomputed (never_recompute_the_loss), nor any random draw
-  (never_recompute_random_draws).
+  (never_recompute_random_draws), nor a fused LoRA linear for the x·Aᵀ its backward reads
+  (never_recompute_lora_for_its_xa).
 - memory_budget="auto": the fastest plan whose estimated peak fits max_memory_gib, or without it a multiple of
   the weights the graph reads (Partitioner._choose, WEIGHTS_MULTIPLE).
 - graphopt ops as candidates with a cost. torch bans recomputing any op it does not know; here every graphopt op
@@ -133,6 +134,7 @@ class Partitioner(CustomPartitionerFn):
         if budget < 1:
             save_layer_boundaries(joint, kwargs["num_fwd_outputs"])
             never_recompute_the_loss(joint)
+            never_recompute_lora_for_its_xa(joint, kwargs["num_fwd_outputs"])
         never_recompute_random_draws(joint)
         with torch._functorch.config.patch(partitioner_config(budget)):
             graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -194,23 +196,58 @@ class Partitioner(CustomPartitionerFn):
         return self
 
 
+def _forward_nodes(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> set:
+    """The joint graph's forward: what the model's outputs are computed from."""
+    forward, stack = set(), list(joint.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs])
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.fx.Node) and node not in forward:
+            forward.add(node)
+            stack.extend(node.all_input_nodes)
+    return forward
+
+
 def save_layer_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> None:
     """Below budget 1, every tensor that crosses a decoder layer's boundary in the forward is saved: what a layer
     reads from outside it (the residual stream, the rotary tables, the mask) and what it hands out (the last
     layer's output, read by the final norm). The backward then recomputes within one layer at a time. Without
     this, budget 0 saves nothing and recomputes the whole forward before the last layer's backward, holding all
     of it at once."""
-    forward, stack = set(), list(joint.graph.find_nodes(op="output")[0].args[0][:num_fwd_outputs])
-    while stack:  # the forward: what the model's outputs are computed from
-        node = stack.pop()
-        if isinstance(node, torch.fx.Node) and node not in forward:
-            forward.add(node)
-            stack.extend(node.all_input_nodes)
+    forward = _forward_nodes(joint, num_fwd_outputs)
     for node in forward:
         for arg in node.all_input_nodes:
             crosses = layer_of(arg) != layer_of(node) and (is_layer(layer_of(node)) or is_layer(layer_of(arg)))
             if arg.op == "call_function" and crosses:
                 arg.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+_LORA_OPS = (torch.ops.graphopt.lora_linear.default, torch.ops.graphopt.lora_linear_4bit.default)
+
+
+def never_recompute_lora_for_its_xa(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> None:
+    """A fused LoRA linear whose output the backward does not need is saved, never recomputed. Its backward
+    reads the forward's x·Aᵀ ([tokens, rank]), and the knapsack weighs an op by all its outputs together: to
+    save the output's bytes, which were never needed, it recomputes the op, base matmul and all, for x·Aᵀ alone.
+    That is every layer's down projection (its output meets the residual stream at the layer's saved boundary),
+    and at Llama-3-8B's shape with a 4-bit base a dequantization and a 4,096 × 14,336 matmul per layer. Saved,
+    the op keeps x·Aᵀ only: its output has no reader in the backward. An output the backward reads (through
+    values it recomputes) leaves the op to the knapsack, as before."""
+    forward = _forward_nodes(joint, num_fwd_outputs)
+    for node in forward:
+        if node.op != "call_function" or node.target not in _LORA_OPS:
+            continue
+        stack = [user for user in node.users if user.args[1] == 0]
+        seen, needed = set(), False
+        while stack and not needed:
+            value = stack.pop()
+            if value in seen:
+                continue
+            seen.add(value)
+            needed = value.op != "output" and value not in forward  # the output node: a forward output
+            if value.meta.get("recompute") != CheckpointPolicy.MUST_SAVE:  # a saved value is read as saved
+                stack.extend(value.users)
+        if not needed:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def never_recompute_the_loss(joint: torch.fx.GraphModule) -> None:
