@@ -235,3 +235,20 @@ def test_attention_flops_count_gqa_as_repeated_key_and_value(op, query_at):
     before = [q] * query_at
     grouped = formula(*before, q, k, k, None, out_val=None)
     assert grouped == formula(*before, q, repeated, repeated, None, out_val=None) > 0
+
+
+def test_a_graph_whose_one_candidate_is_a_saved_lora_linear_trains_as_eager(fresh_dynamo):
+    """One LoRA linear and its loss: at budget 0 the op is saved for its x·Aᵀ (its output is the loss's input,
+    not the backward's), and it is the knapsack's only candidate, which torch then returns as a saved tuple;
+    graphopt partitions such a graph again (passes/recompute.py _saves_a_tuple)."""
+    layer = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(8, 4)),
+                                peft.LoraConfig(r=2, target_modules=["0"], init_lora_weights=False))
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    expected = layer(x).square().sum()
+    expected_grads = torch.autograd.grad(expected, [p for p in layer.parameters() if p.requires_grad])
+    compiled = torch.compile(layer, backend="graphopt", options={"memory_budget": 0})
+    loss = compiled(x).square().sum()
+    grads = torch.autograd.grad(loss, [p for p in layer.parameters() if p.requires_grad])
+    assert graphopt.last_report().summary() == {"lora": 1}
+    assert relative_error(loss, expected) <= 1e-6
+    assert all(relative_error(g, e) <= 1e-5 for g, e in zip(grads, expected_grads))

@@ -130,14 +130,9 @@ class Partitioner(CustomPartitionerFn):
     def _plan(self, joint, joint_inputs, kwargs, budget, offload):
         """(budget, offload, (forward, backward), offload plan or None, memory estimate) for one setting, made
         on a copy of the joint graph (the partitioner edits the graph it is given)."""
-        joint = _copy(joint)
-        if budget < 1:
-            save_layer_boundaries(joint, kwargs["num_fwd_outputs"])
-            never_recompute_the_loss(joint)
-            never_recompute_lora_for_its_xa(joint, kwargs["num_fwd_outputs"])
-        never_recompute_random_draws(joint)
-        with torch._functorch.config.patch(partitioner_config(budget)):
-            graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        graphs = _partition(joint, joint_inputs, kwargs, budget, save_fused_ops=True)
+        if _saves_a_tuple(graphs[0]):
+            graphs = _partition(joint, joint_inputs, kwargs, budget, save_fused_ops=False)
         plan = (offload_pass.plan_offload(*graphs, kwargs["num_fwd_outputs"], self.offload_copies)
                 if offload else None)
         estimate = estimate_peak(*graphs, offloaded=offload_pass.held_until(graphs[0], plan) if plan else {})
@@ -194,6 +189,32 @@ class Partitioner(CustomPartitionerFn):
 
     def __deepcopy__(self, memo):  # Inductor copies its config for the backward's compile: this compile's partitioner
         return self
+
+
+def _partition(joint, joint_inputs, kwargs, budget, save_fused_ops):
+    """torch's min-cut partition of a copy of the joint graph (it edits the graph it is given) under budget, with
+    graphopt's rules; save_fused_ops: the fused loss and the LoRA linears whose outputs the backward does not read
+    are saved, not recomputed."""
+    joint = _copy(joint)
+    if budget < 1:
+        save_layer_boundaries(joint, kwargs["num_fwd_outputs"])
+        if save_fused_ops:
+            never_recompute_the_loss(joint)
+            never_recompute_lora_for_its_xa(joint, kwargs["num_fwd_outputs"])
+    never_recompute_random_draws(joint)
+    with torch._functorch.config.patch(partitioner_config(budget)):
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def _saves_a_tuple(forward: torch.fx.GraphModule) -> bool:
+    """Whether the forward hands the backward a multi-output op's tuple rather than its tensors, which Inductor
+    cannot lower. torch's knapsack does so when every op it could recompute is marked must-save (a graph whose
+    only fused op is one LoRA linear, say): it then returns the marked nodes themselves as the saved values
+    (choose_saved_values_set's early return). Such a graph is partitioned again without the marks on fused ops,
+    which leaves them to the knapsack: a recompute at worst, never a wrong number."""
+    outputs = forward.graph.find_nodes(op="output")[0].args[0]
+    return any(isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), (tuple, list))
+               for node in outputs)
 
 
 def _forward_nodes(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> set:
