@@ -252,7 +252,7 @@ def never_recompute_lora_for_its_xa(joint: torch.fx.GraphModule, num_fwd_outputs
     That is every layer's down projection (its output meets the residual stream at the layer's saved boundary),
     and at Llama-3-8B's shape with a 4-bit base a dequantization and a 4,096 × 14,336 matmul per layer. Saved,
     the op keeps x·Aᵀ only: its output has no reader in the backward. An output the backward reads (through
-    values it recomputes) leaves the op to the knapsack, as before."""
+    values it recomputes) leaves the op to the knapsack."""
     forward = _forward_nodes(joint, num_fwd_outputs)
     for node in forward:
         if node.op != "call_function" or node.target not in _LORA_OPS:
