@@ -55,7 +55,7 @@ from torch.fx import GraphModule, Node
 from graphopt.passes.describe import module_classes, module_path, record_for, source_location
 from graphopt.passes.match import (FUSABLE_DTYPES, autocast_dtype, autocast_regions, is_call, is_cast, is_scalar,
                                    is_tensor, only_user, value)
-from graphopt.passes.rewrite import Miss, replace_with_first
+from graphopt.passes.rewrite import Miss, replace
 
 PATTERN = "lora"
 PATTERN_4BIT = "lora_4bit"  # the same fusion over a bitsandbytes 4-bit base (QLoRA)
@@ -296,7 +296,7 @@ def fuse_lora(gm: GraphModule, report) -> int:
             dropout = (_keep_mask(gm, args[0], value(args[-3]).dtype, dropout_p), dropout_p) if dropout_p else ()
         target = torch.ops.graphopt.lora_linear_4bit.default if quantized else torch.ops.graphopt.lora_linear.default
         xa = value(_linear_args(lora_b)[0])  # lora_A's output: the op's second, in the dtype autocast gave it
-        op = replace_with_first(end, target, (*args, value(end).dtype, *dropout), (value(end), xa), dead=nodes)
+        op = replace(end, target, (*args, value(end).dtype, *dropout), dead=nodes, outputs=(value(end), xa))
         report.fusions.append(record_for(op, PATTERN_4BIT if quantized else PATTERN))
         fused += 1
     delta = next((n for n in gm.graph.nodes if _PARAMETER_DELTA_SOURCE.search(n.meta.get("stack_trace") or "")),

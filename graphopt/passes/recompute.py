@@ -197,10 +197,11 @@ def _partition(joint, joint_inputs, kwargs, budget, save_fused_ops):
     are saved, not recomputed."""
     joint = _copy(joint)
     if budget < 1:
-        save_layer_boundaries(joint, kwargs["num_fwd_outputs"])
+        forward = _forward_nodes(joint, kwargs["num_fwd_outputs"])
+        save_layer_boundaries(forward)
         if save_fused_ops:
             never_recompute_the_loss(joint)
-            never_recompute_lora_for_its_xa(joint, kwargs["num_fwd_outputs"])
+            never_recompute_lora_for_its_xa(forward)
     never_recompute_random_draws(joint)
     with torch._functorch.config.patch(partitioner_config(budget)):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -228,13 +229,12 @@ def _forward_nodes(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> set:
     return forward
 
 
-def save_layer_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> None:
+def save_layer_boundaries(forward: set) -> None:
     """Below budget 1, every tensor that crosses a decoder layer's boundary in the forward is saved: what a layer
     reads from outside it (the residual stream, the rotary tables, the mask) and what it hands out (the last
     layer's output, read by the final norm). The backward then recomputes within one layer at a time. Without
     this, budget 0 saves nothing and recomputes the whole forward before the last layer's backward, holding all
-    of it at once."""
-    forward = _forward_nodes(joint, num_fwd_outputs)
+    of it at once. forward: the joint graph's forward nodes (_forward_nodes)."""
     for node in forward:
         for arg in node.all_input_nodes:
             crosses = layer_of(arg) != layer_of(node) and (is_layer(layer_of(node)) or is_layer(layer_of(arg)))
@@ -245,15 +245,14 @@ def save_layer_boundaries(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> 
 _LORA_OPS = (torch.ops.graphopt.lora_linear.default, torch.ops.graphopt.lora_linear_4bit.default)
 
 
-def never_recompute_lora_for_its_xa(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> None:
+def never_recompute_lora_for_its_xa(forward: set) -> None:
     """A fused LoRA linear whose output the backward does not need is saved, never recomputed. Its backward
     reads the forward's x·Aᵀ ([tokens, rank]), and the knapsack weighs an op by all its outputs together: to
     save the output's bytes, which were never needed, it recomputes the op, base matmul and all, for x·Aᵀ alone.
     That is every layer's down projection (its output meets the residual stream at the layer's saved boundary),
     and at Llama-3-8B's shape with a 4-bit base a dequantization and a 4,096 × 14,336 matmul per layer. Saved,
     the op keeps x·Aᵀ only: its output has no reader in the backward. An output the backward reads (through
-    values it recomputes) leaves the op to the knapsack."""
-    forward = _forward_nodes(joint, num_fwd_outputs)
+    values it recomputes) leaves the op to the knapsack. forward: as save_layer_boundaries'."""
     for node in forward:
         if node.op != "call_function" or node.target not in _LORA_OPS:
             continue

@@ -1,6 +1,6 @@
 """The rewrite skeleton the fusion passes share: a Miss says why a candidate stays as it is (the report's miss
-reason); replace() (replace_with_first() for a call returning a tuple) puts the fused call where the subgraph's
-result was and erases what nothing reads any more."""
+reason); replace() puts the fused call (or its first output) where the subgraph's result was and erases what
+nothing reads any more."""
 
 import operator
 
@@ -23,28 +23,20 @@ def check_only_inside(nodes, end: Node, what: str) -> None:
                        f"{', '.join(operation(u) for u in outside)}")
 
 
-def replace(end: Node, target, args, meta=None, dead=()) -> Node:
+def replace(end: Node, target, args, meta=None, dead=(), outputs=None) -> Node:
     """target(*args) inserted before end, with end's metadata (or meta), taking over end's uses; then end and the
-    nodes of `dead` are erased once nothing reads them."""
+    nodes of `dead` are erased once nothing reads them. outputs: for a target that returns a tuple whose first
+    element stands for end (the rest feed its backward), the tuple's example value; the call's getitem 0 then
+    takes over end's uses."""
     graph = end.graph
     with graph.inserting_before(end):
         new = graph.call_function(target, tuple(args))
+        result = new if outputs is None else graph.call_function(operator.getitem, (new, 0))
     new.meta = dict(end.meta) if meta is None else meta
-    end.replace_all_uses_with(new)
-    erase_unused([end, *dead])
-    return new
-
-
-def replace_with_first(end: Node, target, args, example_value, dead=()) -> Node:
-    """replace() for a target that returns a tuple whose first element stands for end (the rest feed its
-    backward): the call and its getitem 0, which takes over end's uses. example_value: the call's tuple."""
-    graph = end.graph
-    with graph.inserting_before(end):
-        new = graph.call_function(target, tuple(args))
-        first = graph.call_function(operator.getitem, (new, 0))
-    new.meta = dict(end.meta, example_value=example_value)
-    first.meta = dict(end.meta)
-    end.replace_all_uses_with(first)
+    if outputs is not None:
+        new.meta["example_value"] = outputs
+        result.meta = dict(end.meta)
+    end.replace_all_uses_with(result)
     erase_unused([end, *dead])
     return new
 
