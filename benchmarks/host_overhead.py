@@ -39,7 +39,8 @@ def main():
     cos, sin = torch.randn(1, 8, 16, dtype=dtype), torch.randn(1, 8, 16, dtype=dtype)
     head, target = torch.randn(8, 32, dtype=dtype), torch.randint(0, 48, (8,))
     rows = [
-        ("lora_linear forward", lambda: lora.lora_linear_forward(x, w, None, a, b, 2.0, dtype), 1),
+        ("lora_down", lambda: lora.lora_down_forward(x, a), 0),
+        ("lora_linear forward", lambda: lora.lora_linear_forward(x, w, None, b, xa, 2.0, dtype), 1),
         ("lora_linear backward", lambda: lora.lora_linear_backward(g, x, xa, w, a, b, 2.0), 1),
         ("rms_norm forward", lambda: rmsnorm.rms_norm_forward(x, norm_w, 1e-6, 0.0, dtype), 0),
         ("rms_norm backward", lambda: rmsnorm.rms_norm_backward(x, x, norm_w, 1e-6, 0.0, False), 0),

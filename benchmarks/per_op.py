@@ -156,7 +156,9 @@ def make_case(op, tokens, device):
         # nn.Parameter wraps a new tensor: take the module's own, so every variant differentiates the same leaves.
         weight, lora_a, lora_b = (module.base_layer.weight, module.lora_A["default"].weight,
                                   module.lora_B["default"].weight)
-        fused = lambda x: torch.ops.graphopt.lora_linear(x, weight, None, lora_a, lora_b, SCALING, DTYPE)[0]  # noqa
+        def fused(x):  # the two ops the pass writes
+            xa = torch.ops.graphopt.lora_down(x, lora_a)
+            return torch.ops.graphopt.lora_linear(x, weight, None, lora_a, lora_b, xa, SCALING, DTYPE)
         n, h, o, r = tokens, HIDDEN, HIDDEN, RANK
         # forward: x·Wᵀ, x·Aᵀ, (xA)·Bᵀ; backward: dY·W, dY·B, (dY·B)·A, dA, dB (recomputation not counted)
         flops = 2 * (n * h * o + n * h * r + n * r * o) + 2 * (n * o * h + n * o * r + 2 * n * r * h + n * o * r)

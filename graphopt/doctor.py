@@ -53,7 +53,7 @@ def _cases(device: torch.device, dtype: torch.dtype):
     gate, up = randn(8, 128), randn(8, 128)
     q, k, cos, sin = randn(1, 4, 8, 32), randn(1, 2, 8, 32), randn(1, 8, 32), randn(1, 8, 32)
     base, lora_a, lora_b = randn(32, 64), randn(4, 64, dtype=torch.float32), randn(32, 4, dtype=torch.float32)
-    xa = x.float() @ lora_a.t()  # the forward's x·Aᵀ, as lora_linear's backward takes it
+    xa = x.float() @ lora_a.t()  # lora_down's x·Aᵀ, as lora_linear and its backward take it
     hidden, lm_head = randn(8, 64), randn(100, 64)
     target = torch.randint(0, 100, (8,), generator=g).to(device)
     d_hidden, d_weight = randn(8, 64, dtype=torch.float32), randn(100, 64, dtype=torch.float32)
@@ -74,7 +74,8 @@ def _cases(device: torch.device, dtype: torch.dtype):
         (graphopt.gated_activation_backward, (randn(8, 128), gate, up, "silu"), reference.gated_activation_backward),
         (graphopt.rope, (q, k, cos, sin), reference.rope),
         (graphopt.rope_backward, (q, k, cos, sin), reference.rope_backward),
-        (graphopt.lora_linear, (x, base, None, lora_a, lora_b, 2.0, dtype), reference.lora_linear),
+        (graphopt.lora_down, (x, lora_a), reference.lora_down),
+        (graphopt.lora_linear, (x, base, None, lora_a, lora_b, xa, 2.0, dtype), reference.lora_linear),
         (graphopt.lora_linear_backward, (randn(8, 32), x, xa, base, lora_a, lora_b, 2.0),
          reference.lora_linear_backward),
         (graphopt.linear_cross_entropy, (hidden, lm_head, None, target, -100, "mean", 0.0, 4, True, True),
@@ -109,13 +110,13 @@ def _4bit_cases(randn, x, xa, lora_a, lora_b, dtype):
     nested = (state.absmax, state.state2.code, state.offset)
     weight = bnb.dequantize_4bit(packed, state).to(dtype)
 
-    def forward(x, *args):  # args end with lora_a, lora_b, scaling, out_dtype
-        return reference.lora_linear(x, weight.to(x), None, *args[-4:])
+    def forward(x, *args):  # args end with lora_a, lora_b, xa, scaling, out_dtype
+        return reference.lora_linear(x, weight.to(x), None, *args[-5:])
 
     def backward(grad, x, xa, *args):  # args end with lora_a, lora_b, scaling
         return reference.lora_linear_backward(grad, x, xa, weight.to(x), *args[-3:])
 
-    return [(graphopt.lora_linear_4bit, (x, *base, None, *nested, lora_a, lora_b, 2.0, dtype), forward),
+    return [(graphopt.lora_linear_4bit, (x, *base, None, *nested, lora_a, lora_b, xa, 2.0, dtype), forward),
             (graphopt.lora_linear_4bit_backward, (randn(8, 32), x, xa, *base, *nested, lora_a, lora_b, 2.0),
              backward)]
 

@@ -48,7 +48,8 @@ DESCRIPTION = "export.json"
 # The graphopt ops an inference program holds, each defined by its reference (fp32 math): what decompose=True
 # and the MLIR export replace them with. The others compute training steps (below) or dequantize a bitsandbytes
 # base (lora_linear_4bit: a quantized base is refused, _check).
-INFERENCE_OPS = ("rms_norm", "gated_activation", "rope", "lora_linear", "padded_attention", "packed_attention")
+INFERENCE_OPS = ("rms_norm", "gated_activation", "rope", "lora_down", "lora_linear", "padded_attention",
+                 "packed_attention")
 REFERENCES = {getattr(torch.ops.graphopt, name).default: getattr(reference, name) for name in INFERENCE_OPS}
 TRAINING_OPS = {
     torch.ops.graphopt.linear_cross_entropy.default: "the fused training loss (lm_head + cross-entropy)",
@@ -337,7 +338,7 @@ def _note(format, dynamic, decomposed, merge_lora, model) -> str:
     merged = ("LoRA merged into the base weights by PEFT's merge_and_unload (on a copy)" if merge_lora and
               hasattr(model, "merge_and_unload") else
               "merge_lora=True: the model has no PEFT adapters to merge" if merge_lora else
-              "LoRA kept as graphopt::lora_linear where it fused")
+              "LoRA kept as graphopt::lora_down and graphopt::lora_linear where it fused")
     shapes = "batch and sequence dynamic" if dynamic else "static shapes (the example inputs')"
     return f"export (format {format!r}): an inference program, {shapes}; {ops}; {merged}"
 

@@ -1,4 +1,4 @@
-"""graphopt's inference ops in ONNX: the com.graphopt domain, version 1 (docs/export.md documents each schema).
+"""graphopt's inference ops in ONNX: the com.graphopt domain, version 2 (docs/export.md documents each schema).
 
 Each op is one node of that domain, its schema registered with onnx (onnx.defs), so onnx.checker checks every use
 and a runtime that implements the domain runs the fused op; the node's semantics are the op's reference
@@ -13,7 +13,7 @@ import torch
 from onnx.defs import OpSchema
 
 DOMAIN = "com.graphopt"
-VERSION = 1
+VERSION = 2  # 2: a LoRA linear is lora_down, then lora_linear taking its XA
 FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
 INTEGERS = ["tensor(int64)", "tensor(int32)"]
 
@@ -64,15 +64,21 @@ SCHEMAS = {
                 _input("cos", "T2", "[B or 1, S, R]"), _input("sin", "T2", "[B or 1, S, R]")],
         outputs=[_input("q_out", "T", "q's shape"), _input("k_out", "T1", "k's shape")],
         type_constraints=[("T", FLOATS, ""), ("T1", FLOATS, ""), ("T2", FLOATS, "")]),
+    "lora_down": OpSchema(
+        "lora_down", DOMAIN, VERSION,
+        "XA = (X as lora_a's type)·Aᵀ: a PEFT LoRA linear's down projection, lora_linear's XA (inference: no "
+        "dropout).",
+        inputs=[_input("X", "T", "[..., in]"), _input("lora_a", "T1", "[r, in]")],
+        outputs=[_input("XA", "T1", "[..., r]")],
+        type_constraints=[("T", FLOATS, ""), ("T1", FLOATS, "")]),
     "lora_linear": OpSchema(
         "lora_linear", DOMAIN, VERSION,
-        "Y = (X·Wᵀ + bias + XA·Bᵀ·scaling) as out_dtype, XA = (X as lora_a's type)·Aᵀ: PEFT's LoRA linear in its "
-        "operations and types (inference: no dropout). XA is what training's backward reads; inference leaves it "
-        "unread.",
+        "Y = (X·Wᵀ + bias + XA·Bᵀ·scaling) as out_dtype, XA = lora_down(X, lora_a): PEFT's LoRA linear in its "
+        "operations and types.",
         inputs=[_input("X", "T", "[..., in]"), _input("weight", "T", "[out, in], the frozen base"),
-                _input("bias", "T", "[out]", optional=True), _input("lora_a", "T1", "[r, in]"),
-                _input("lora_b", "T1", "[out, r]")],
-        outputs=[_input("Y", "T2", "[..., out]"), _input("XA", "T1", "[..., r]")],
+                _input("bias", "T", "[out]", optional=True), _input("lora_b", "T1", "[out, r]"),
+                _input("XA", "T1", "[..., r]")],
+        outputs=[_input("Y", "T2", "[..., out]")],
         type_constraints=[("T", FLOATS, ""), ("T1", FLOATS, ""), ("T2", FLOATS, "")],
         attributes=[_attribute("scaling", _FLOAT, "lora_alpha / r"), _OUT_DTYPE]),
     "padded_attention": OpSchema(
@@ -107,12 +113,18 @@ def _out_dtype(ctx):
     return ctx.get_attribute("out_dtype").i
 
 
+def _infer_lora_down(ctx):
+    lora_a = ctx.get_input_type(1).tensor_type
+    _typed_like(ctx, 0, 0, lora_a.elem_type, lora_a.shape.dim[0] if _has_dims(lora_a) else None)
+
+
 def _infer_lora_linear(ctx):
-    weight, lora_a = ctx.get_input_type(1).tensor_type, ctx.get_input_type(3).tensor_type
-    out_features = weight.shape.dim[0] if weight.HasField("shape") and weight.shape.dim else None
-    rank = lora_a.shape.dim[0] if lora_a.HasField("shape") and lora_a.shape.dim else None
-    _typed_like(ctx, 0, 0, _out_dtype(ctx), out_features)
-    _typed_like(ctx, 1, 0, lora_a.elem_type, rank)
+    weight = ctx.get_input_type(1).tensor_type
+    _typed_like(ctx, 0, 0, _out_dtype(ctx), weight.shape.dim[0] if _has_dims(weight) else None)
+
+
+def _has_dims(tensor_type):
+    return tensor_type.HasField("shape") and bool(tensor_type.shape.dim)
 
 
 def _infer_attention(ctx):
@@ -127,6 +139,7 @@ _INFERENCE = {
     "rms_norm": lambda ctx: _typed_like(ctx, 0, 0, _out_dtype(ctx)),
     "gated_activation": lambda ctx: _typed_like(ctx, 0, 0),
     "rope": lambda ctx: (_typed_like(ctx, 0, 0), _typed_like(ctx, 1, 1)),
+    "lora_down": _infer_lora_down,
     "lora_linear": _infer_lora_linear,
     "padded_attention": _infer_attention,
     "packed_attention": _infer_attention,
@@ -152,9 +165,13 @@ def rope(q, k, cos, sin):
     return _OPS["rope"](q, k, cos, sin)
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, out_dtype: int, dropout_mask=None,
+def lora_down(x, lora_a, dropout_mask=None, dropout_p: float = 0.0):
+    return _OPS["lora_down"](x, lora_a)
+
+
+def lora_linear(x, weight, bias, lora_a, lora_b, xa, scaling: float, out_dtype: int, dropout_mask=None,
                 dropout_p: float = 0.0):
-    return _OPS["lora_linear"](x, weight, bias, lora_a, lora_b, scaling=scaling, out_dtype=out_dtype)
+    return _OPS["lora_linear"](x, weight, bias, lora_b, xa, scaling=scaling, out_dtype=out_dtype)
 
 
 def padded_attention(q, k, v, keep, scale: float):

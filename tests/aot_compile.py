@@ -93,7 +93,8 @@ def run_launch_functions(multiprocessors, dtypes):
         padded_attention._unflat(flat, order, keep, 2, 32)
         lora_a, lora_b = randn(16, 256, dtype=torch.float32), randn(512, 16, dtype=torch.float32)
         weight = randn(512, 256, dtype=dtype)
-        lora.lora_linear_forward(randn(64, 256, dtype=dtype), weight, None, lora_a, lora_b, 2.0, dtype)
+        x = randn(64, 256, dtype=dtype)
+        lora.lora_linear_forward(x, weight, None, lora_b, lora.lora_down_forward(x, lora_a), 2.0, dtype)
         lora.lora_linear_backward(randn(64, 512, dtype=dtype), randn(64, 256, dtype=dtype),
                                   randn(64, 16, dtype=torch.float32), weight, lora_a, lora_b, 2.0)
         # 16 features in and out, a column block each, and 2 · multiprocessors splits of the fewest rows a split

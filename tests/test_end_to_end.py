@@ -65,7 +65,7 @@ def test_lora_model_matches_eager(arch, device, dtype):
     assert report.target == device
     assert {r.op for r in report.lowering} == {f"graphopt.{op}.default" for op in (
         "rms_norm", "rms_norm_backward", "rope", "rope_backward", "gated_activation", "gated_activation_backward",
-        "lora_linear", "lora_linear_backward", "linear_cross_entropy", "linear_cross_entropy_backward")}
+        "lora_down", "lora_linear", "lora_linear_backward", "linear_cross_entropy", "linear_cross_entropy_backward")}
     if device == "cuda":
         assert all("Triton" in r.implementation for r in report.lowering)
 

@@ -70,7 +70,8 @@ def test_the_torch_export_runs_as_eager_at_any_batch_and_length(arch, tmp_path):
     if arch != "mistral":  # Mistral's sliding-window mask is not causal attention: never fused
         assert summary["attention_padded"] == COMMON["num_hidden_layers"]
     described = json.loads((tmp_path / "export.json").read_text())
-    assert described["graphopt_ops"]["graphopt.lora_linear.default"] == summary["lora"]
+    assert (described["graphopt_ops"]["graphopt.lora_linear.default"] == summary["lora"]
+            == described["graphopt_ops"]["graphopt.lora_down.default"])
     assert described["outputs"] == ["logits"] and described["format"] == "torch"
     assert (tmp_path / "report.txt").read_text().startswith("graphopt report")
 
@@ -172,8 +173,9 @@ def _reference_ops():
                                                                                           out_dtype)),
         kernel("gated_activation", lambda g, u, activation: reference.gated_activation(g, u, activation)),
         kernel("rope", lambda q, k, cos, sin: reference.rope(q, k, cos, sin)),
-        kernel("lora_linear", lambda x, w, b, a, bb, scaling, out_dtype: reference.lora_linear(x, w, b, a, bb, scaling,
-                                                                                               out_dtype)),
+        kernel("lora_down", lambda x, a: reference.lora_down(x, a)),
+        kernel("lora_linear", lambda x, w, b, bb, xa, scaling, out_dtype: reference.lora_linear(x, w, b, None, bb, xa,
+                                                                                                scaling, out_dtype)),
         kernel("padded_attention", lambda q, k, v, keep, scale: reference.padded_attention(q, k, v, keep, scale)),
         kernel("packed_attention", lambda q, k, v, p, scale: reference.packed_attention(q, k, v, p, scale)),
     ]
@@ -189,11 +191,11 @@ def test_the_com_graphopt_onnx_names_each_op_once_per_use(merge_lora, tmp_path):
     graphopt.export(model, batch(2, 16), tmp_path, format="onnx", merge_lora=merge_lora)
     proto = onnx.load(tmp_path / "model.onnx")
     onnx.checker.check_model(proto, full_check=True)  # every com.graphopt node against its registered schema
-    assert {(o.domain, o.version) for o in proto.opset_import} >= {("com.graphopt", 1)}
+    assert {(o.domain, o.version) for o in proto.opset_import} >= {("com.graphopt", 2)}
     program_ops = json.loads((tmp_path / "export.json").read_text())["graphopt_ops"]
     assert graphopt_nodes(proto) == {op.split(".")[1]: count for op, count in program_ops.items()}
     adapted = len(adapted_layers(model))
-    assert graphopt_nodes(proto)["lora_linear"] == (0 if merge_lora else adapted)
+    assert graphopt_nodes(proto)["lora_linear"] == graphopt_nodes(proto)["lora_down"] == (0 if merge_lora else adapted)
     assert graphopt_nodes(proto)["rms_norm"] == rms_norm_modules(model)
 
     # the nodes compute their schemas' definitions: run with graphopt's references as the domain's kernels

@@ -1,4 +1,4 @@
-"""graphopt::lora_linear: the op against PEFT's own LoRA layer, opcheck, the pass on PEFT models (counts,
+"""graphopt::lora_down and graphopt::lora_linear: the ops against PEFT's own LoRA layer, opcheck, the pass on PEFT models (counts,
 misses), the memory it exists to save, and tiny HF models end to end with the fusion on."""
 
 import peft
@@ -16,6 +16,7 @@ from models import ARCHITECTURES, COMMON, adapted_layers, tiny_lora_model
 from test_end_to_end import compile_and_compare
 
 OP = torch.ops.graphopt.lora_linear.default
+DOWN = torch.ops.graphopt.lora_down.default
 LORA_OFF = {"fusions": {"lora": False}}
 FASTEST = {"memory_budget": 1}  # what the fastest plan saves: the tests below count it
 
@@ -34,6 +35,12 @@ def op_args(model, out_dtype):
     return base.weight, base.bias, a, b, layer.scaling["default"], out_dtype
 
 
+def lora_ops(x, weight, bias, a, b, scaling, out_dtype, *dropout):
+    """(out, xa): a LoRA linear as the pass writes it, lora_down then lora_linear."""
+    xa = DOWN(x, a, *dropout)
+    return OP(x, weight, bias, a, b, xa, scaling, out_dtype, *dropout), xa
+
+
 @settings(max_examples=20)
 @given(r=st.sampled_from([1, 8, 128]), features=st.sampled_from([(16, 12), (33, 64)]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), bias=st.booleans(), seed=st.integers(0, 99))
@@ -48,7 +55,8 @@ def test_op_equals_peft_layer_forward_and_gradients(r, features, dtype, bias, se
     x.grad = None
     model.zero_grad()
     weight, b, a, bw, scaling, _ = op_args(model, dtype)
-    out, xa = OP(x, weight, b, a, bw, scaling, expected.dtype)
+    out, xa = lora_ops(x, weight, b, a, bw, scaling, expected.dtype)
+    assert not xa.requires_grad  # lora_linear's backward differentiates through it
     out.backward(grad_out)
     grads = [x.grad, a.grad, bw.grad]
     assert out.dtype == expected.dtype and relative_error(out, expected) <= 1e-6
@@ -62,9 +70,10 @@ def test_op_equals_peft_layer_forward_and_gradients(r, features, dtype, bias, se
 def test_opcheck(dtype):
     model = peft_linear(16, 12, 4, dtype)
     x = torch.randn(3, 16, dtype=dtype, requires_grad=True)
-    torch.library.opcheck(OP, (x, *op_args(model, dtype)))
-    weight, _, a, b, scaling, _ = op_args(model, dtype)
+    weight, bias, a, b, scaling, _ = op_args(model, dtype)
     xa = x.detach().to(a.dtype) @ a.detach().t()
+    torch.library.opcheck(DOWN, (x, a))
+    torch.library.opcheck(OP, (x, weight, bias, a, b, xa, scaling, dtype))
     torch.library.opcheck(torch.ops.graphopt.lora_linear_backward.default,
                           (torch.randn(3, 12, dtype=dtype), x.detach(), xa, weight, a.detach(), b.detach(), scaling))
 
@@ -73,7 +82,8 @@ def test_gradcheck_fp64():
     model = peft_linear(6, 5, 2, torch.float64)
     weight, bias, a, b, scaling, _ = op_args(model, torch.float64)
     x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, a, b: OP(x, weight, bias, a, b, scaling, torch.float64)[0], (x, a, b))
+    assert torch.autograd.gradcheck(lambda x, a, b: lora_ops(x, weight, bias, a, b, scaling, torch.float64)[0],
+                                    (x, a, b))
 
 
 # --- the Triton kernels (kernels/lora.py): the interpreter on CPU, compiled on CUDA --------------------------
@@ -111,13 +121,16 @@ def assert_kernels_match_fp64(x, grad, weight, bias, a, b, scaling):
     from graphopt.kernels import lora, reference
 
     dtype = x.dtype
-    got = lora.lora_linear_forward(x, weight, bias, a, b, scaling, dtype)
-    got = (*got, *lora.lora_linear_backward(grad, x, got[1], weight, a, b, scaling))
-    same = reference.lora_linear(x, weight, bias, a, b, scaling, dtype)
-    same = (*same, *reference.lora_linear_backward(grad, x, same[1], weight, a, b, scaling))
-    f64 = [t.double() if t is not None else None for t in (x, weight, bias, a, b, grad)]
-    exact = reference.lora_linear(*f64[:5], scaling, torch.float64)
-    exact = (*exact, *reference.lora_linear_backward(f64[5], f64[0], exact[1], f64[1], f64[3], f64[4], scaling))
+    def run(implementation, x, weight, bias, a, b, grad, out_dtype):
+        xa = implementation.lora_down_forward(x, a) if implementation is lora else reference.lora_down(x, a)
+        out = (lora.lora_linear_forward(x, weight, bias, b, xa, scaling, out_dtype) if implementation is lora else
+               reference.lora_linear(x, weight, bias, a, b, xa, scaling, out_dtype))
+        return out, xa, *implementation.lora_linear_backward(grad, x, xa, weight, a, b, scaling)
+
+    got = run(lora, x, weight, bias, a, b, grad, dtype)
+    same = run(reference, x, weight, bias, a, b, grad, dtype)
+    exact = run(reference, *[t.double() if t is not None else None for t in (x, weight, bias, a, b, grad)],
+                torch.float64)
     for name, out, ref, x64 in zip(("out", "xa", "dx", "dA", "dB"), got, same, exact):
         assert out.dtype == ref.dtype and out.shape == ref.shape and out.is_contiguous(), name
         bound = 1e-5 if dtype == torch.float32 else 2 * relative_error(ref, x64) + 1e-3
@@ -135,8 +148,8 @@ def test_an_output_wider_than_x_adds_the_base_rounded_to_x_dtype(bias):
     x, weight = torch.randn(37, 48, generator=g).to(DEVICE, dtype), torch.randn(80, 48, generator=g).to(DEVICE, dtype)
     b = torch.randn(80, generator=g).to(DEVICE, dtype) if bias else None
     a, bb = torch.randn(8, 48, generator=g).to(DEVICE), torch.randn(80, 8, generator=g).to(DEVICE)
-    out, _ = lora.lora_linear_forward(x, weight, b, a, bb, 0.5, torch.float32)
-    ref, _ = reference.lora_linear(x, weight, b, a, bb, 0.5, torch.float32)
+    out = lora.lora_linear_forward(x, weight, b, bb, lora.lora_down_forward(x, a), 0.5, torch.float32)
+    ref = reference.lora_linear(x, weight, b, a, bb, reference.lora_down(x, a), 0.5, torch.float32)
     # 1e-5: on CUDA the low-rank term's dots are tf32x3, a few fp32 units in the last place from the reference's
     assert out.dtype == torch.float32 and relative_error(out, ref) <= 1e-5
 
@@ -268,7 +281,7 @@ def test_trainable_base_weight_is_a_clear_error():
     model = peft_linear(8, 4, 2, torch.float32)
     weight, bias, a, b, scaling, _ = op_args(model, torch.float32)
     weight.requires_grad_(True)
-    out, _ = OP(torch.randn(2, 8), weight, bias, a, b, scaling, torch.float32)
+    out, _ = lora_ops(torch.randn(2, 8), weight, bias, a, b, scaling, torch.float32)
     with pytest.raises(RuntimeError, match="must be frozen"):
         out.sum().backward()
 
@@ -286,7 +299,7 @@ def mlp(dtype=torch.float32, **lora):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pass_fuses_each_lora_linear(dtype):
     gm, example, expected, report, fused = run_pass(fuse_lora, mlp(dtype), torch.randn(3, 16, dtype=dtype))
-    assert fused == 2 == count_calls(gm, OP) and report.misses == []
+    assert fused == 2 == count_calls(gm, OP) == count_calls(gm, DOWN) and report.misses == []
     assert [r.module for r in report.fusions] == ["base_model.model.0", "base_model.model.2"]
     assert relative_error(first_output(gm, example), expected) <= 1e-6
 
@@ -327,9 +340,8 @@ def test_op_with_a_dropout_mask_is_peft_with_that_mask(p, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, 5, 24, generator=g).to(dtype).requires_grad_()
     keep = torch.rand(3, 5, 24, generator=g) >= p
-    args = op_args(layer, dtype)
-    out, _ = torch.ops.graphopt.lora_linear(x, *args, keep, p)
-    weight, bias, a, b, scaling, _ = args
+    weight, bias, a, b, scaling, _ = op_args(layer, dtype)
+    out, _ = lora_ops(x, weight, bias, a, b, scaling, dtype, keep, p)
     exact = (torch.nn.functional.linear(x.double(), weight.double(), bias.double())
              + (x.double() * keep * (1 / (1 - p))) @ a.double().t() @ b.double().t() * scaling)
     grad = torch.randn(out.shape, generator=g).to(dtype)
@@ -344,8 +356,11 @@ def test_op_with_a_dropout_mask_is_peft_with_that_mask(p, dtype, seed):
 def test_opcheck_with_a_dropout_mask():
     layer = peft_linear(16, 12, 4, torch.float32)
     x = torch.randn(2, 3, 16, requires_grad=True)
-    torch.library.opcheck(torch.ops.graphopt.lora_linear.default,
-                          (x, *op_args(layer, torch.float32), torch.rand(2, 3, 16) >= 0.1, 0.1))
+    weight, bias, a, b, scaling, _ = op_args(layer, torch.float32)
+    keep = torch.rand(2, 3, 16) >= 0.1
+    torch.library.opcheck(DOWN, (x, a, keep, 0.1))
+    torch.library.opcheck(OP, (x, weight, bias, a, b, DOWN(x, a, keep, 0.1).detach(), scaling, torch.float32, keep,
+                               0.1))
 
 
 @pytest.mark.parametrize("budget", [1, 0])

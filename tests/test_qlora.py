@@ -23,6 +23,12 @@ OP = torch.ops.graphopt.lora_linear_4bit.default
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
+def lora_4bit(x, base, lora_a, lora_b, scaling, out_dtype, *dropout):
+    """A QLoRA linear as the pass writes it: lora_down, then lora_linear_4bit taking its x·Aᵀ."""
+    xa = torch.ops.graphopt.lora_down(x, lora_a, *dropout)
+    return OP(x, *base, lora_a, lora_b, xa, scaling, out_dtype, *dropout)
+
+
 def quantized(out_features, in_features, quant_type, blocksize, nested, seed=0):
     """(bitsandbytes::gemm_4bit's base arguments, the weight bitsandbytes dequantizes them to) of a random weight."""
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
@@ -56,7 +62,7 @@ def test_matches_fp64_on_the_weight_bitsandbytes_dequantizes(quant_type, blocksi
     lora_a = (torch.randn(rank, in_features, generator=g) / in_features ** 0.5).requires_grad_()
     lora_b = (torch.randn(out_features, rank, generator=g) / rank ** 0.5).requires_grad_()
     keep, p = (torch.rand(x.shape, generator=g) > 0.3, 0.3) if dropout else (None, 0.0)
-    out, _ = OP(x, *args, lora_a, lora_b, 0.5, dtype, *((keep, p) if dropout else ()))
+    out = lora_4bit(x, args, lora_a, lora_b, 0.5, dtype, *((keep, p) if dropout else ()))
     (want, *want_grads), probe = expected(x, weight.to(dtype), lora_a, lora_b, 0.5, keep, p)
     grads = torch.autograd.grad((out.double() * probe).sum(), (x, lora_a, lora_b))
     assert out.dtype == dtype
@@ -98,13 +104,15 @@ def test_opcheck(nested):
     args, _ = quantized(24, 40, "nf4", 64, nested)
     x = torch.randn(3, 40, requires_grad=True)
     lora_a, lora_b = torch.randn(8, 40, requires_grad=True), torch.randn(24, 8, requires_grad=True)
-    torch.library.opcheck(OP, (x, *args, lora_a, lora_b, 2.0, torch.float32))
+    xa = (x @ lora_a.t()).detach()
+    torch.library.opcheck(OP, (x, *args, lora_a, lora_b, xa, 2.0, torch.float32))
 
 
 def test_a_bad_packed_weight_is_refused():
     args, _ = quantized(24, 40, "nf4", 64, False)
     with pytest.raises(RuntimeError, match="packed must hold the"):
-        OP(torch.randn(2, 40), args[0][:-1], *args[1:], torch.randn(4, 40), torch.randn(24, 4), 1.0, torch.float32)
+        lora_4bit(torch.randn(2, 40), (args[0][:-1], *args[1:]), torch.randn(4, 40), torch.randn(24, 4), 1.0,
+                  torch.float32)
 
 
 def qlora_model(arch, quant_type="nf4", nested=True, compute_dtype=torch.float32, dtype=torch.float32, device="cpu"):
@@ -244,8 +252,8 @@ def test_cuda_op_matches_fp64(quant_type, nested):
     x = torch.randn(5, 200, generator=g).to("cuda", torch.bfloat16).requires_grad_()
     lora_a = (torch.randn(16, 200, generator=g) / 200 ** 0.5).cuda().requires_grad_()
     lora_b = (torch.randn(96, 16, generator=g) / 4).cuda().requires_grad_()
-    out, _ = OP(x, packed, [96, 200], absmax[0], 64, quant_type, None, *absmax[1:], lora_a, lora_b, 0.5,
-                torch.bfloat16)
+    out = lora_4bit(x, (packed, [96, 200], absmax[0], 64, quant_type, None, *absmax[1:]), lora_a, lora_b, 0.5,
+                    torch.bfloat16)
     dequantized = bnb_functional.dequantize_4bit(packed, state).to(torch.bfloat16)
     (want, *want_grads), probe = expected(x, dequantized, lora_a, lora_b, 0.5, None, 0.0)
     grads = torch.autograd.grad((out.double() * probe).sum(), (x, lora_a, lora_b))

@@ -50,16 +50,19 @@ def test_every_budget_matches_eager_and_a_smaller_one_saves_less(arch):
         saved.append(report)
     assert saved[0]["bytes"] > saved[1]["bytes"] > saved[2]["bytes"] > 0
     # budget 0 keeps what each decoder layer reads from outside it (the residual stream: at most one fp32
-    # [tokens, hidden] per layer, besides per-row statistics and the rotary tables' views) and recomputes the rest
+    # [tokens, hidden] per layer, besides per-row statistics and the rotary tables' views) and each LoRA linear's
+    # x·Aᵀ (fp32 [tokens, rank], 7 a layer), and recomputes the rest
     hidden, rows = ids.numel() * model.config.hidden_size * 4, ids.numel() * 4
     rotary = 2 * ids.shape[1] * model.config.head_dim * 4
+    xa = 7 * ids.numel() * model.peft_config["default"].r * 4
     for i in range(2):
-        assert saved[2]["per_layer"][f"base_model.model.model.layers.{i}"]["saved_bytes"] <= hidden + 2 * rows + rotary
+        assert (saved[2]["per_layer"][f"base_model.model.model.layers.{i}"]["saved_bytes"]
+                <= hidden + 2 * rows + rotary + xa)
     recomputed = [report["recomputed"] for report in saved]
     assert recomputed[0]["bytes"] < recomputed[1]["bytes"] < recomputed[2]["bytes"]
-    # budget 0 recomputes each layer's forward from its input: every adapted base matmul whose output the
-    # backward reads, that is all but the down projection (its backward needs its input and the x·Aᵀ it saves; the
-    # residual add after it is the next layer's input, saved), which is never recomputed
+    # budget 0 recomputes each layer's forward from its input: every adapted base matmul whose output the backward
+    # reads, that is all but the down projection's (its backward needs its input and x·Aᵀ; the residual add after
+    # it is the next layer's input, saved), and no x·Aᵀ (each saved)
     base_flops = {name: 2 * ids.numel() * m.base_layer.weight.numel() for name, m in model.named_modules()
                   if isinstance(m, peft.tuners.lora.LoraLayer)}
     read_by_backward = sum(f for name, f in base_flops.items() if not name.endswith("down_proj"))
@@ -98,13 +101,15 @@ def flops(fn, *args):
 
 
 def test_cost_model_prices_fused_ops_by_their_matmuls():
-    """The knapsack recomputes what costs least: the fused LoRA linear and loss cost their matmuls (as the unfused
+    """The knapsack recomputes what costs least: the fused LoRA linear (its two ops) and loss cost their matmuls (as the unfused
     aten matmuls would), the memory-bound ops nothing, like the pointwise aten ops around them."""
     tokens, hidden, out, rank, vocab = 6, 16, 24, 4, 40
     x, weight = torch.randn(2, 3, hidden), torch.randn(out, hidden)
     lora_a, lora_b = torch.randn(rank, hidden), torch.randn(out, rank)
-    assert flops(torch.ops.graphopt.lora_linear, x, weight, None, lora_a, lora_b, 2.0, torch.float32) == (
-        2 * tokens * out * hidden + 2 * tokens * rank * (hidden + out))
+    xa = torch.ops.graphopt.lora_down(x, lora_a)
+    assert flops(torch.ops.graphopt.lora_down, x, lora_a) == 2 * tokens * rank * hidden
+    assert flops(torch.ops.graphopt.lora_linear, x, weight, None, lora_a, lora_b, xa, 2.0, torch.float32) == (
+        2 * tokens * out * hidden + 2 * tokens * rank * out)
     h, lm_head, target = torch.randn(tokens, hidden), torch.randn(vocab, hidden), torch.randint(0, vocab, (tokens,))
     for grad_hidden, grad_weight, products in [(True, False, 2), (True, True, 3), (False, False, 1)]:
         assert flops(torch.ops.graphopt.linear_cross_entropy, h, lm_head, None, target, -100, "mean", 0.0, 4,
@@ -237,10 +242,9 @@ def test_attention_flops_count_gqa_as_repeated_key_and_value(op, query_at):
     assert grouped == formula(*before, q, repeated, repeated, None, out_val=None) > 0
 
 
-def test_a_graph_whose_one_candidate_is_a_saved_lora_linear_trains_as_eager(fresh_dynamo):
-    """One LoRA linear and its loss: at budget 0 the op is saved for its x·Aᵀ (its output is the loss's input,
-    not the backward's), and it is the knapsack's only candidate, which torch then returns as a saved tuple;
-    graphopt partitions such a graph again (passes/recompute.py _saves_a_tuple)."""
+def test_a_graph_of_one_lora_linear_trains_as_eager_at_budget_0(fresh_dynamo):
+    """One LoRA linear and its loss: at budget 0 its x·Aᵀ is saved, and the knapsack has the linear alone to
+    choose from."""
     layer = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(8, 4)),
                                 peft.LoraConfig(r=2, target_modules=["0"], init_lora_weights=False))
     x = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))

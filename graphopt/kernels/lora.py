@@ -6,8 +6,9 @@ epilogue of a compute-bound matmul, where a separate add would read and write it
 around the base matmuls in the adapter dtype — the upcast of x, x·Aᵀ, ·Bᵀ, the scaling, the add, the cast back,
 and the same in the backward — runs in Triton kernels that read each large tensor once and keep fp32 values in
 registers, never in memory: no fp32 copy of x or of the output exists, saved or transient. The forward's x·Aᵀ
-([tokens, rank] fp32, as PEFT's autograd keeps it) is saved for the backward, which would otherwise read x once
-more to recompute it. The forward is two launches and a matmul (x·Aᵀ; ·Bᵀ, scale and the bias; x·Wᵀ added), the
+([tokens, rank] fp32, as PEFT's autograd keeps it; graphopt::lora_down's output) is saved for the backward, which
+would otherwise read x once more to recompute it. The forward is two launches and a matmul (x·Aᵀ, lora_down; ·Bᵀ,
+scale and the bias, then x·Wᵀ added, lora_linear), the
 backward four and a matmul, as the H200's step is partly bound by how fast the CPU launches kernels: dY·B in one,
 dA's and dB's partial sums over splits of the rows in one, their sum in one, and dX's low-rank term in one, onto
 which dY·W is added. Where too few row blocks would leave multiprocessors idle, the projections split the columns
@@ -385,11 +386,18 @@ def supported_dtypes(x_dtype, weight_dtype, adapter_dtype) -> bool:
             and x_dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
-def lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
-    """(out, xa), xa = x·Aᵀ [..., rank] fp32, which the backward reads as saved."""
+def lora_down_forward(x, lora_a):
+    """xa = x·Aᵀ [..., rank] fp32, lora_linear_forward's input, which the backward reads as saved."""
     rows = as_rows(x, x.shape[-1])
     xa = _project(rows, lora_a, lora_a.stride(0), lora_a.stride(1), lora_a.shape[0], 1.0)
-    # out = x·Wᵀ + bias + (xa · Bᵀ) · scaling; B is [out, rank]: W[n, r] = B[n, r]
+    return xa.view(*x.shape[:-1], lora_a.shape[0])
+
+
+def lora_linear_forward(x, weight, bias, lora_b, xa, scaling, out_dtype):
+    """x·Wᵀ + bias + (xa · Bᵀ) · scaling in out_dtype."""
+    rows = as_rows(x, x.shape[-1])
+    xa = xa.reshape(-1, xa.shape[-1]).contiguous()  # the kernel reads it as [rows, rank] contiguous
+    # B is [out, rank]: W[n, r] = B[n, r]
     if out_dtype == rows.dtype:
         # the low-rank term (and the bias) written first, then cuBLAS adds the base matmul onto it (β = 1): the
         # output is read again in the epilogue of a compute-bound matmul, not in a memory-bound pass of its own
@@ -399,7 +407,7 @@ def lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, out_dtype):
         base = torch.nn.functional.linear(rows, weight, bias)
         out = _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0],
                             base=base)
-    return out.view(*x.shape[:-1], weight.shape[0]), xa.view(*x.shape[:-1], lora_a.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling):

@@ -94,21 +94,24 @@ def rope_backward(grad_q, grad_k, cos, sin):
 # LoRA linear (PEFT): out = (x·Wᵀ + b + (drop(x as adapter dtype)·Aᵀ)·Bᵀ · scaling) as out_dtype, the same
 # operations in the same dtypes as PEFT's eager forward. Only A and B train; the base weight and bias are frozen.
 # drop is PEFT's lora_dropout in training: with a keep mask (bool, x's shape) drawn for the step, drop(v) =
-# v · mask · 1/(1 − p), the arithmetic of torch's dropout; without one, the identity. The forward also gives
-# xa = drop(x as adapter dtype)·Aᵀ [..., rank], the low-rank input of B: the backward takes it as saved, as
-# PEFT's autograd saves it, where recomputing it would read x once more.
+# v · mask · 1/(1 − p), the arithmetic of torch's dropout; without one, the identity. It is two ops: lora_down
+# computes xa = drop(x as adapter dtype)·Aᵀ [..., rank], the low-rank input of B, and lora_linear the rest from
+# it; the backward takes xa as saved, as PEFT's autograd saves it, where recomputing it would read x once more.
 
 def _dropped(v, dropout_mask, dropout_p):
     return v if dropout_mask is None else v * dropout_mask * (1.0 / (1.0 - dropout_p))
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
-    """(out, xa)."""
+def lora_down(x, lora_a, dropout_mask=None, dropout_p=0.0):
+    return torch.nn.functional.linear(_dropped(x.to(lora_a.dtype), dropout_mask, dropout_p), lora_a)
+
+
+def lora_linear(x, weight, bias, lora_a, lora_b, xa, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+    """lora_a and the dropout made xa (lora_down); the backward reads them."""
     base = torch.nn.functional.linear(x, weight, bias)
-    xa = torch.nn.functional.linear(_dropped(x.to(lora_a.dtype), dropout_mask, dropout_p), lora_a)
     lora = torch.nn.functional.linear(xa, lora_b) * scaling
     # the add in out_dtype where it is the wider: PEFT's 4-bit layer under autocast adds a base it cast back up
-    return (base.to(torch.promote_types(base.dtype, out_dtype)) + lora).to(out_dtype), xa
+    return (base.to(torch.promote_types(base.dtype, out_dtype)) + lora).to(out_dtype)
 
 
 def lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
@@ -148,10 +151,10 @@ def dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, a
 
 
 def lora_linear_4bit(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code,
-                     absmax_offset, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+                     absmax_offset, lora_a, lora_b, xa, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
     weight = dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code, absmax_offset,
                              x.dtype)
-    return lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
+    return lora_linear(x, weight, bias, lora_a, lora_b, xa, scaling, out_dtype)
 
 
 def lora_linear_4bit_backward(grad_out, x, xa, packed, shape, absmax, blocksize, quant_type, absmax_8bit,

@@ -9,7 +9,8 @@ operator exists. The graph around them runs eagerly (aot_autograd without Induct
                            operator: the reference
   linear_cross_entropy     per chunk of rows: the lm_head matmul, then npu_cross_entropy_loss (sum over the
                            chunk), the gradient from its log-probabilities; the logits never exist whole
-  lora_linear, backwards   matmuls and pointwise ops: the reference (kernels/reference.py)
+  lora_down, lora_linear,  matmuls and pointwise ops: the reference (kernels/reference.py)
+  its backward
   linear_logprobs          the reference, one chunk of rows at a time (no torch_npu operator returns the entropy or
                            the other statistics; npu_cross_entropy_loss gives only the log-probabilities)
 
@@ -35,6 +36,7 @@ IMPLEMENTATIONS = {
     torch.ops.graphopt.linear_cross_entropy.default: f"lm_head matmul + {_FUSED} npu_cross_entropy_loss, one chunk "
                                                      "of rows at a time (logits never whole)",
     torch.ops.graphopt.linear_cross_entropy_backward.default: "pure-torch reference (scales the forward's gradients)",
+    torch.ops.graphopt.lora_down.default: "pure-torch reference (kernels/reference.py matmul)",
     torch.ops.graphopt.lora_linear.default: "pure-torch reference (kernels/reference.py matmuls)",
     torch.ops.graphopt.lora_linear_backward.default: "pure-torch reference (kernels/reference.py matmuls)",
     torch.ops.graphopt.linear_logprobs.default: "pure-torch reference, one chunk of rows at a time (logits not whole)",

@@ -1,5 +1,5 @@
 """CPU target: graphopt ops decompose into aten below autograd, so Inductor's C++ backend fuses them into
-its generated code while each op's hand-written backward formula stays; lora_linear, lora_linear_4bit,
+its generated code while each op's hand-written backward formula stays; lora_down, lora_linear, lora_linear_4bit,
 linear_cross_entropy and linear_logprobs stay opaque (below)."""
 
 import torch
@@ -8,8 +8,10 @@ from graphopt.lowering import ops  # noqa: F401  (defines torch.ops.graphopt.*)
 from graphopt.kernels import masked_attention_cpu, reference
 
 # lora_linear stays one opaque op: decomposed, Inductor's partitioner chose to save the adapter-dtype (fp32)
-# copy of x again, the memory the op exists to avoid; opaque, the backward saves x in its own dtype.
+# copy of x again, the memory the op exists to avoid; opaque, the backward saves x in its own dtype. lora_down
+# stays one too, so that the partition rules that name it (passes/recompute.py) find it on every target.
 LORA_OPAQUE = "kernels/reference.py matmuls as one op (saves x in its own dtype, not an fp32 copy)"
+LORA_DOWN_OPAQUE = "kernels/reference.py matmul as one op (x·Aᵀ, kept for the backward)"
 
 # lora_linear_4bit stays one opaque op too, and so dequantizes its base inside the call: the weight is never kept.
 LORA_4BIT_OPAQUE = ("bitsandbytes' dequantize_4bit of the base (in x's dtype) into a temporary, then kernels/"
@@ -46,6 +48,7 @@ _FLASH = ("aten's CPU flash-attention kernel with the mask (kernels/masked_atten
           "compiles")
 DECOMPOSITIONS = _REFERENCES | ATTENTION
 IMPLEMENTATIONS = {op: _DECOMPOSED for op in _REFERENCES} | {op: _FLASH for op in ATTENTION} | {
+    torch.ops.graphopt.lora_down.default: LORA_DOWN_OPAQUE} | {
     op: LORA_OPAQUE for op in (torch.ops.graphopt.lora_linear.default, torch.ops.graphopt.lora_linear_backward.default)
 } | {
     op: LORA_4BIT_OPAQUE for op in (torch.ops.graphopt.lora_linear_4bit.default,

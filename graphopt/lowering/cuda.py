@@ -26,9 +26,10 @@ IMPLEMENTATIONS = {
                                      "place through their strides)",
     torch.ops.graphopt.rope_backward.default: "Triton kernel kernels/rope.py:_rope_kernel, transposed rotation "
                                               "(only cos and sin saved)",
-    torch.ops.graphopt.lora_linear.default: "cuBLAS base matmul + Triton kernels kernels/lora.py (x·Aᵀ, kept for "
-                                            "the backward; scale, add and cast fused with ·Bᵀ): no fp32 copy of x "
-                                            "or of the output",
+    torch.ops.graphopt.lora_down.default: "Triton kernel kernels/lora.py:_project_kernel (x·Aᵀ, kept for the "
+                                          "backward; columns split where rows are few, then summed in one launch)",
+    torch.ops.graphopt.lora_linear.default: "cuBLAS base matmul + Triton kernel kernels/lora.py (scale, add and cast "
+                                            "fused with ·Bᵀ): no fp32 copy of x or of the output",
     torch.ops.graphopt.lora_linear_backward.default: "cuBLAS dY·W + Triton kernels kernels/lora.py: dX, dA, dB "
                                                      "from x as saved (bf16) and the forward's x·Aᵀ, no fp32 copies, "
                                                      "in four launches (dY·B; dA and dB over row splits; their sum; "
@@ -82,7 +83,7 @@ def attention_variant(q, k, v, tokens):
     return ATTENTION_REFERENCE.format(why=why) if why else None
 
 
-def lora_variant(x, weight, bias, lora_a, lora_b, dropout_mask=None):
+def lora_variant(x, weight, bias, lora_a, lora_b, xa, dropout_mask=None):
     """The report's text for a LoRA layer whose inputs run as these (after autocast), when it is not the kernels'
     (None when it is)."""
     if dropout_mask is not None:
@@ -92,10 +93,15 @@ def lora_variant(x, weight, bias, lora_a, lora_b, dropout_mask=None):
     return LORA_IN_ONE_DTYPE.format(dtype=str(lora_a.dtype).removeprefix("torch."))
 
 
-def lora_4bit_variant(x, packed, absmax, bias, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b,
+def lora_down_variant(x, lora_a, dropout_mask=None):
+    """lora_variant for the adapters' down projection, which the kernels take on an x of a base's dtype."""
+    return lora_variant(x, x, None, lora_a, lora_a, None, dropout_mask)
+
+
+def lora_4bit_variant(x, packed, absmax, bias, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b, xa,
                       dropout_mask=None):
     """lora_variant for a 4-bit base, which is dequantized into x's dtype first."""
-    text = lora_variant(x, x, bias, lora_a, lora_b, dropout_mask)
+    text = lora_variant(x, x, bias, lora_a, lora_b, xa, dropout_mask)
     return text and DEQUANTIZE_4BIT + " of the base into a temporary, then " + text
 
 
@@ -273,16 +279,22 @@ def _packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale)
     return packed_attention.packed_attention_backward(grad_out.to(q.dtype), q, k, v, position_ids, out, lse, scale)
 
 
-def _lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
-    ops.check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
+def _lora_down(x, lora_a, dropout_mask=None, dropout_p=0.0):
+    ops.check_lora_down(x, lora_a, dropout_mask, dropout_p)
+    if dropout_mask is not None or not lora.supported_dtypes(x.dtype, x.dtype, lora_a.dtype):
+        return reference.lora_down(x, lora_a, dropout_mask, dropout_p).contiguous()
+    return lora.lora_down_forward(x, lora_a)
+
+
+def _lora_linear(x, weight, bias, lora_a, lora_b, xa, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+    ops.check_lora_linear(x, weight, lora_a, lora_b, xa, dropout_mask, dropout_p)
     if dropout_mask is not None or not lora.supported(x, weight, lora_a, lora_b):
-        out, xa = reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
-        return out.contiguous(), xa.contiguous()
-    return lora.lora_linear_forward(x, weight, bias, lora_a, lora_b, scaling, out_dtype)
+        return reference.lora_linear(x, weight, bias, lora_a, lora_b, xa, scaling, out_dtype).contiguous()
+    return lora.lora_linear_forward(x, weight, bias, lora_b, xa, scaling, out_dtype)
 
 
 def _lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
-    ops.check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p, xa=xa)
+    ops.check_lora_linear(x, weight, lora_a, lora_b, xa, dropout_mask, dropout_p)
     if dropout_mask is not None or not lora.supported(x, weight, lora_a, lora_b):
         grads = reference.lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask,
                                                dropout_p)
@@ -294,16 +306,16 @@ def _lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, drop
 # next layer's), then the dense LoRA kernels. At training sizes this beats dequantizing inside a Triton matmul's
 # main loop, which redoes each weight element once per tile of rows (benchmarks/RESULTS.md, QLoRA).
 def _lora_linear_4bit(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code,
-                      absmax_offset, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
-    ops.check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
+                      absmax_offset, lora_a, lora_b, xa, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+    ops.check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, xa, dropout_mask, dropout_p)
     weight = dequantize_4bit.dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code,
                                              absmax_offset, x.dtype)
-    return _lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
+    return _lora_linear(x, weight, bias, lora_a, lora_b, xa, scaling, out_dtype, dropout_mask, dropout_p)
 
 
 def _lora_linear_4bit_backward(grad_out, x, xa, packed, shape, absmax, blocksize, quant_type, absmax_8bit,
                                absmax_code, absmax_offset, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
-    ops.check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p, xa)
+    ops.check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, xa, dropout_mask, dropout_p)
     weight = dequantize_4bit.dequantize_4bit(packed, shape, absmax, blocksize, quant_type, absmax_8bit, absmax_code,
                                              absmax_offset, x.dtype)
     return _lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
@@ -382,6 +394,7 @@ def register() -> None:
     torch.library.register_kernel("graphopt::linear_cross_entropy", "cuda", _linear_cross_entropy)
     torch.library.register_kernel("graphopt::linear_logprobs", "cuda", _linear_logprobs)
     torch.library.register_kernel("graphopt::linear_logprobs_backward", "cuda", _linear_logprobs_backward)
+    torch.library.register_kernel("graphopt::lora_down", "cuda", _lora_down)
     torch.library.register_kernel("graphopt::lora_linear", "cuda", _lora_linear)
     torch.library.register_kernel("graphopt::lora_linear_backward", "cuda", _lora_linear_backward)
     torch.library.register_kernel("graphopt::lora_linear_4bit", "cuda", _lora_linear_4bit)

@@ -196,30 +196,59 @@ def _rope_grad(ctx, grad_q, grad_k):
 rope.register_autograd(_rope_grad, setup_context=_rope_setup_context)
 
 
-# --- lora_linear (PEFT LoRA Linear) -----------------------------------------------------------------------
+# --- lora_down, lora_linear (PEFT LoRA Linear) -----------------------------------------------------------
+# A LoRA linear is two ops: lora_down, x·Aᵀ [..., rank] (the adapters' input dropped, in their dtype), and
+# lora_linear, which takes that product as an input and adds ·Bᵀ, the scaling and the frozen base. The backward
+# reads x·Aᵀ as saved, as PEFT's autograd does; as its own node in the graph it is saved on its own ([tokens, rank]:
+# a few hundred KiB) while the partitioner recomputes the linear's output, where one op of two outputs would be
+# recomputed whole for it. lora_linear's backward differentiates through x·Aᵀ itself (dX and dA include its path):
+# x·Aᵀ carries no gradient, and lora_down's output needs none.
+
+@torch.library.custom_op("graphopt::lora_down", mutates_args=())
+def lora_down(x: Tensor, lora_a: Tensor, dropout_mask: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
+    """xa = drop(x as lora_a's dtype)·Aᵀ [..., rank]: the input lora_linear takes as xa (kernels/reference.py)."""
+    check_lora_down(x, lora_a, dropout_mask, dropout_p)
+    return reference.lora_down(x, lora_a, dropout_mask, dropout_p).contiguous()
+
+
+@lora_down.register_fake
+def _lora_down_fake(x, lora_a, dropout_mask=None, dropout_p=0.0):
+    check_lora_down(x, lora_a, dropout_mask, dropout_p)
+    return x.new_empty((*x.shape[:-1], lora_a.shape[0]), dtype=lora_a.dtype)
+
+
+def check_lora_down(x, lora_a, dropout_mask=None, dropout_p=0.0, op="lora_down"):
+    """The input contract of lora_down and of the adapters' part of lora_linear."""
+    torch._check(lora_a.dim() == 2 and x.shape[-1] == lora_a.shape[1],
+                 lambda: f"{op}: lora_a {tuple(lora_a.shape)} is not [rank, {x.shape[-1]}] for x {tuple(x.shape)}")
+    torch._check(dropout_mask is None or (dropout_mask.dtype == torch.bool and dropout_mask.shape == x.shape),
+                 lambda: f"{op}: dropout_mask must be a bool tensor of x's shape {tuple(x.shape)}")
+    torch._check(0.0 <= dropout_p < 1.0, lambda: f"{op}: dropout_p={dropout_p} must be in [0, 1)")
+
+
+def _lora_down_setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(output)
+
+
+lora_down.register_autograd(lambda ctx, grad_xa: (None, None, None, None), setup_context=_lora_down_setup_context)
+
 
 @torch.library.custom_op("graphopt::lora_linear", mutates_args=())
-def lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
-                out_dtype: torch.dtype, dropout_mask: Optional[Tensor] = None,
-                dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
-    """(out, xa): frozen base linear plus LoRA path, PEFT's operations and dtypes, and xa = x·Aᵀ [..., rank] in
-    the adapters' dtype, which the backward reads as saved; the backward gives dX, dA, dB only. With a
-    dropout_mask (bool, x's shape: the elements kept), the adapters see x dropped as torch's dropout with
-    probability dropout_p drops it (kernels/reference.py)."""
-    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
-    out, xa = reference.lora_linear(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask, dropout_p)
-    return out.contiguous(), xa.contiguous()
-
-
-def _lora_outputs(x, out_features, lora_a, out_dtype):
-    return (x.new_empty((*x.shape[:-1], out_features), dtype=out_dtype),
-            x.new_empty((*x.shape[:-1], lora_a.shape[0]), dtype=lora_a.dtype))
+def lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, xa: Tensor,
+                scaling: float, out_dtype: torch.dtype, dropout_mask: Optional[Tensor] = None,
+                dropout_p: float = 0.0) -> Tensor:
+    """Frozen base linear plus LoRA path, PEFT's operations and dtypes, given xa = lora_down(x, lora_a,
+    dropout_mask, dropout_p); the backward gives dX, dA, dB only. With a dropout_mask (bool, x's shape: the elements
+    kept), the adapters see x dropped as torch's dropout with probability dropout_p drops it
+    (kernels/reference.py)."""
+    check_lora_linear(x, weight, lora_a, lora_b, xa, dropout_mask, dropout_p)
+    return reference.lora_linear(x, weight, bias, lora_a, lora_b, xa, scaling, out_dtype).contiguous()
 
 
 @lora_linear.register_fake
-def _lora_linear_fake(x, weight, bias, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
-    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p)
-    return _lora_outputs(x, weight.shape[0], lora_a, out_dtype)
+def _lora_linear_fake(x, weight, bias, lora_a, lora_b, xa, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+    check_lora_linear(x, weight, lora_a, lora_b, xa, dropout_mask, dropout_p)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
 @torch.library.custom_op("graphopt::lora_linear_backward", mutates_args=())
@@ -228,50 +257,46 @@ def lora_linear_backward(grad_out: Tensor, x: Tensor, xa: Tensor, weight: Tensor
                          dropout_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_a, grad_b) from x and the forward's xa; the adapter-dtype copy of x is recomputed (through the
     same dropout mask), so only x itself, xa and the mask are saved."""
-    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p, xa=xa)
+    check_lora_linear(x, weight, lora_a, lora_b, xa, dropout_mask, dropout_p)
     grads = reference.lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask, dropout_p)
     return tuple(g.contiguous() for g in grads)
 
 
 @lora_linear_backward.register_fake
 def _lora_linear_backward_fake(grad_out, x, xa, weight, lora_a, lora_b, scaling, dropout_mask=None, dropout_p=0.0):
-    check_lora_linear(x, weight, lora_a, lora_b, dropout_mask, dropout_p, xa=xa)
+    check_lora_linear(x, weight, lora_a, lora_b, xa, dropout_mask, dropout_p)
     return x.new_empty(x.shape), lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)
 
 
-def check_lora_linear(x, weight, lora_a, lora_b, dropout_mask=None, dropout_p=0.0, op="lora_linear", xa=None):
+def check_lora_linear(x, weight, lora_a, lora_b, xa, dropout_mask=None, dropout_p=0.0, op="lora_linear"):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it. weight: the base
-    weight, or its shape (lora_linear_4bit); xa, in the backward: the forward's x·Aᵀ."""
+    weight, or its shape (lora_linear_4bit)."""
     shape = tuple(weight.shape) if isinstance(weight, Tensor) else tuple(weight)
-    torch._check(len(shape) == 2 and lora_a.dim() == 2 and lora_b.dim() == 2,
+    check_lora_down(x, lora_a, dropout_mask, dropout_p, op)
+    torch._check(len(shape) == 2 and lora_b.dim() == 2,
                  lambda: f"{op}: weight, lora_a and lora_b must be matrices")
-    torch._check(x.shape[-1] == shape[1] and lora_a.shape[1] == shape[1]
-                 and lora_b.shape[0] == shape[0] and lora_b.shape[1] == lora_a.shape[0],
+    torch._check(x.shape[-1] == shape[1] and lora_b.shape[0] == shape[0] and lora_b.shape[1] == lora_a.shape[0],
                  lambda: f"{op}: shapes do not chain: x {tuple(x.shape)}, weight {shape}, "
                          f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
-    torch._check(dropout_mask is None or (dropout_mask.dtype == torch.bool and dropout_mask.shape == x.shape),
-                 lambda: f"{op}: dropout_mask must be a bool tensor of x's shape {tuple(x.shape)}")
-    torch._check(0.0 <= dropout_p < 1.0, lambda: f"{op}: dropout_p={dropout_p} must be in [0, 1)")
-    torch._check(xa is None or (xa.shape == (*x.shape[:-1], lora_a.shape[0]) and xa.dtype == lora_a.dtype),
-                 lambda: f"{op}_backward: xa {tuple(xa.shape)} {xa.dtype} is not the forward's x·Aᵀ "
+    torch._check(xa.shape == (*x.shape[:-1], lora_a.shape[0]) and xa.dtype == lora_a.dtype,
+                 lambda: f"{op}: xa {tuple(xa.shape)} {xa.dtype} is not lora_down's x·Aᵀ "
                          f"{(*x.shape[:-1], lora_a.shape[0])} {lora_a.dtype}")
 
 
 def _lora_setup_context(ctx, inputs, output):
-    x, weight, bias, lora_a, lora_b, scaling, _, dropout_mask, dropout_p = inputs
-    ctx.save_for_backward(x, output[1], weight, lora_a, lora_b, dropout_mask)
+    x, weight, bias, lora_a, lora_b, xa, scaling, _, dropout_mask, dropout_p = inputs
+    ctx.save_for_backward(x, xa, weight, lora_a, lora_b, dropout_mask)
     ctx.scaling, ctx.dropout_p = scaling, dropout_p
 
 
-def _lora_grad(ctx, grad_out, _grad_xa):
-    """xa is the backward's saved input, not a value the model reads: it takes no gradient."""
+def _lora_grad(ctx, grad_out):
     x, xa, weight, lora_a, lora_b, dropout_mask = ctx.saved_tensors
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         raise RuntimeError("graphopt::lora_linear computes no gradient for the base weight or bias: they must be "
                            "frozen (requires_grad=False), as PEFT leaves them; the fusion pass never fuses otherwise")
     grad_x, grad_a, grad_b = torch.ops.graphopt.lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b,
                                                                      ctx.scaling, dropout_mask, ctx.dropout_p)
-    return grad_x, None, None, grad_a, grad_b, None, None, None, None
+    return grad_x, None, None, grad_a, grad_b, None, None, None, None, None
 
 
 lora_linear.register_autograd(_lora_grad, setup_context=_lora_setup_context)
@@ -285,26 +310,23 @@ QUANT_TYPES = ("nf4", "fp4")
 @torch.library.custom_op("graphopt::lora_linear_4bit", mutates_args=())
 def lora_linear_4bit(x: Tensor, packed: Tensor, shape: list[int], absmax: Tensor, blocksize: int, quant_type: str,
                      bias: Optional[Tensor], absmax_8bit: Optional[Tensor], absmax_code: Optional[Tensor],
-                     absmax_offset: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, scaling: float,
-                     out_dtype: torch.dtype, dropout_mask: Optional[Tensor] = None,
-                     dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
-    """lora_linear (out, xa) over a frozen bitsandbytes 4-bit base, given as bitsandbytes::gemm_4bit takes it:
-    packed codes (uint8, two a byte), the weight's [out, in] shape, the absmax (with double quantization the nested
-    absmax, then absmax_8bit, absmax_code and absmax_offset), the block size and quant type. The base is
-    dequantized in x's dtype for each call and never kept; the backward gives dX, dA, dB only
-    (kernels/reference.py)."""
-    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
-    out, xa = reference.lora_linear_4bit(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit,
-                                         absmax_code, absmax_offset, lora_a, lora_b, scaling, out_dtype, dropout_mask,
-                                         dropout_p)
-    return out.contiguous(), xa.contiguous()
+                     absmax_offset: Optional[Tensor], lora_a: Tensor, lora_b: Tensor, xa: Tensor, scaling: float,
+                     out_dtype: torch.dtype, dropout_mask: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
+    """lora_linear over a frozen bitsandbytes 4-bit base, given as bitsandbytes::gemm_4bit takes it: packed codes
+    (uint8, two a byte), the weight's [out, in] shape, the absmax (with double quantization the nested absmax, then
+    absmax_8bit, absmax_code and absmax_offset), the block size and quant type. The base is dequantized in x's
+    dtype for each call and never kept; the backward gives dX, dA, dB only (kernels/reference.py)."""
+    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, xa, dropout_mask, dropout_p)
+    return reference.lora_linear_4bit(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit,
+                                      absmax_code, absmax_offset, lora_a, lora_b, xa, scaling,
+                                      out_dtype).contiguous()
 
 
 @lora_linear_4bit.register_fake
 def _lora_linear_4bit_fake(x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code,
-                           absmax_offset, lora_a, lora_b, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
-    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p)
-    return _lora_outputs(x, shape[0], lora_a, out_dtype)
+                           absmax_offset, lora_a, lora_b, xa, scaling, out_dtype, dropout_mask=None, dropout_p=0.0):
+    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, xa, dropout_mask, dropout_p)
+    return x.new_empty((*x.shape[:-1], shape[0]), dtype=out_dtype)
 
 
 @torch.library.custom_op("graphopt::lora_linear_4bit_backward", mutates_args=())
@@ -315,7 +337,7 @@ def lora_linear_4bit_backward(grad_out: Tensor, x: Tensor, xa: Tensor, packed: T
                               dropout_p: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_a, grad_b) from x and the forward's xa: the base dequantized again, never saved by the
     forward."""
-    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p, xa)
+    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, xa, dropout_mask, dropout_p)
     grads = reference.lora_linear_4bit_backward(grad_out, x, xa, packed, shape, absmax, blocksize, quant_type,
                                                 absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b, scaling,
                                                 dropout_mask, dropout_p)
@@ -326,13 +348,13 @@ def lora_linear_4bit_backward(grad_out: Tensor, x: Tensor, xa: Tensor, packed: T
 def _lora_linear_4bit_backward_fake(grad_out, x, xa, packed, shape, absmax, blocksize, quant_type, absmax_8bit,
                                     absmax_code, absmax_offset, lora_a, lora_b, scaling, dropout_mask=None,
                                     dropout_p=0.0):
-    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask, dropout_p, xa)
+    check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, xa, dropout_mask, dropout_p)
     return x.new_empty(x.shape), lora_a.new_empty(lora_a.shape), lora_b.new_empty(lora_b.shape)
 
 
-def check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, dropout_mask=None,
-                           dropout_p=0.0, xa=None):
-    """The op's input contract; every implementation checks it (xa: as check_lora_linear's)."""
+def check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, xa, dropout_mask=None,
+                           dropout_p=0.0):
+    """The op's input contract; every implementation checks it."""
     torch._check(len(shape) == 2 and packed.dtype == torch.uint8
                  and packed.numel() == (shape[0] * shape[1] + 1) // 2,
                  lambda: f"lora_linear_4bit: packed must hold the {shape} weight's 4-bit codes two a byte (uint8), "
@@ -340,19 +362,19 @@ def check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora
     torch._check(quant_type in QUANT_TYPES and blocksize >= 2 and blocksize & (blocksize - 1) == 0,
                  lambda: f"lora_linear_4bit: quant_type {quant_type!r} must be one of {QUANT_TYPES}, blocksize "
                          f"{blocksize} a power of 2 (bitsandbytes makes 32 to 4096)")
-    check_lora_linear(x, shape, lora_a, lora_b, dropout_mask, dropout_p, op="lora_linear_4bit", xa=xa)
+    check_lora_linear(x, shape, lora_a, lora_b, xa, dropout_mask, dropout_p, op="lora_linear_4bit")
 
 
 def _lora_4bit_setup_context(ctx, inputs, output):
     (x, packed, shape, absmax, blocksize, quant_type, bias, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b,
-     scaling, _, dropout_mask, dropout_p) = inputs
-    ctx.save_for_backward(x, output[1], packed, absmax, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b,
+     xa, scaling, _, dropout_mask, dropout_p) = inputs
+    ctx.save_for_backward(x, xa, packed, absmax, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b,
                           dropout_mask)
     ctx.shape, ctx.blocksize, ctx.quant_type, ctx.scaling, ctx.dropout_p = shape, blocksize, quant_type, scaling, \
         dropout_p
 
 
-def _lora_4bit_grad(ctx, grad_out, _grad_xa):
+def _lora_4bit_grad(ctx, grad_out):
     x, xa, packed, absmax, absmax_8bit, absmax_code, absmax_offset, lora_a, lora_b, dropout_mask = ctx.saved_tensors
     if ctx.needs_input_grad[6]:
         raise RuntimeError("graphopt::lora_linear_4bit computes no gradient for the base bias: it must be frozen "
@@ -360,7 +382,7 @@ def _lora_4bit_grad(ctx, grad_out, _grad_xa):
     grad_x, grad_a, grad_b = torch.ops.graphopt.lora_linear_4bit_backward(
         grad_out, x, xa, packed, ctx.shape, absmax, ctx.blocksize, ctx.quant_type, absmax_8bit, absmax_code,
         absmax_offset, lora_a, lora_b, ctx.scaling, dropout_mask, ctx.dropout_p)
-    return (grad_x, *[None] * 9, grad_a, grad_b, None, None, None, None)
+    return (grad_x, *[None] * 9, grad_a, grad_b, None, None, None, None, None)
 
 
 lora_linear_4bit.register_autograd(_lora_4bit_grad, setup_context=_lora_4bit_setup_context)
@@ -724,8 +746,9 @@ def _copy_out_of_graph_pool_fake(xs):
 # argument (compute_dtype, the autocast dtype of the call's region, passes/fuse_trl_logprob.py), so its gradients
 # accumulate in fp32 and return in the inputs' own dtypes, as TRL's do, instead of rounding through a cast.
 AUTOCAST_CASTS = {  # op → the positions of the inputs autocast casts
-    "lora_linear": (0, 1, 2, 3, 4),  # x, weight, bias, lora_a, lora_b
-    "lora_linear_4bit": (0, 6, 10, 11),  # x, bias, lora_a, lora_b: the base dequantizes in x's dtype
+    "lora_down": (0, 1),  # x, lora_a
+    "lora_linear": (0, 1, 2, 3, 4, 5),  # x, weight, bias, lora_a, lora_b, xa (lora_down's: already cast)
+    "lora_linear_4bit": (0, 6, 10, 11, 12),  # x, bias, lora_a, lora_b, xa: the base dequantizes in x's dtype
     "linear_cross_entropy": (0, 1, 2),  # hidden, weight, bias
     "padded_attention": (0, 1, 2),  # q, k, v: autocast runs SDPA in its dtype
     "packed_attention": (0, 1, 2),
@@ -760,11 +783,12 @@ for _name, _positions in AUTOCAST_CASTS.items():
                                _key, with_keyset=True)
 
 
-# Forward op → its backward op, for the report and the lowerings.
+# Forward op → its backward op, for the report and the lowerings (None: no gradient flows through it).
 BACKWARD_OF = {
     torch.ops.graphopt.rms_norm.default: torch.ops.graphopt.rms_norm_backward.default,
     torch.ops.graphopt.gated_activation.default: torch.ops.graphopt.gated_activation_backward.default,
     torch.ops.graphopt.rope.default: torch.ops.graphopt.rope_backward.default,
+    torch.ops.graphopt.lora_down.default: None,  # lora_linear's backward differentiates through x·Aᵀ
     torch.ops.graphopt.lora_linear.default: torch.ops.graphopt.lora_linear_backward.default,
     torch.ops.graphopt.lora_linear_4bit.default: torch.ops.graphopt.lora_linear_4bit_backward.default,
     torch.ops.graphopt.linear_cross_entropy.default: torch.ops.graphopt.linear_cross_entropy_backward.default,
@@ -772,4 +796,4 @@ BACKWARD_OF = {
     torch.ops.graphopt.padded_attention.default: torch.ops.graphopt.padded_attention_backward.default,
     torch.ops.graphopt.packed_attention.default: torch.ops.graphopt.packed_attention_backward.default,
 }
-ALL_OPS = [op for pair in BACKWARD_OF.items() for op in pair]
+ALL_OPS = [op for pair in BACKWARD_OF.items() for op in pair if op is not None]

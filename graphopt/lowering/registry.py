@@ -57,7 +57,8 @@ def lowering_for(target: str) -> Lowering:
                         uncapturable_ops=cuda.UNCAPTURABLE_OPS,
                         prepare=cuda.prepare if target == "cuda" else None,
                         meta_stand_ins=dict(cuda.META_STAND_INS),
-                        variants={torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
+                        variants={torch.ops.graphopt.lora_down.default: cuda.lora_down_variant,
+                                  torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
                                   torch.ops.graphopt.lora_linear_4bit.default: cuda.lora_4bit_variant,
                                   torch.ops.graphopt.padded_attention.default: cuda.attention_variant,
                                   torch.ops.graphopt.packed_attention.default: cuda.attention_variant})
@@ -109,9 +110,10 @@ def record(gm: torch.fx.GraphModule, lowering: Lowering, report) -> None:
         backward = ops.BACKWARD_OF[forward]
         variant = implementation != lowering.implementations[forward]  # the backward runs the same variant
         report.lowering.append(LoweringRecord(str(forward), count, implementation, lowering.note or None))
-        report.lowering.append(LoweringRecord(str(backward), count,
-                                              implementation if variant else lowering.implementations[backward],
-                                              "in the backward graph, when gradients are needed"))
+        if backward is not None:
+            report.lowering.append(LoweringRecord(str(backward), count,
+                                                  implementation if variant else lowering.implementations[backward],
+                                                  "in the backward graph, when gradients are needed"))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""PEFT LoRA Linear → graphopt::lora_linear, or graphopt::lora_linear_4bit over a bitsandbytes 4-bit base.
+"""PEFT LoRA Linear → graphopt::lora_down (x·Aᵀ) and graphopt::lora_linear, or graphopt::lora_linear_4bit over a
+bitsandbytes 4-bit base.
 
 Matches (after passes/normalize.py) what PEFT's lora.Linear.forward records:
   base = linear(x, W[, bias]);  xa = linear(x[.to(adapter dtype)], A);  out = base + linear(xa, B) * scaling
@@ -273,7 +274,8 @@ def _keep_mask(gm: GraphModule, x: Node, adapter_dtype: torch.dtype, p: float) -
 
 
 def fuse_lora(gm: GraphModule, report) -> int:
-    """Replace each matched LoRA linear with one graphopt::lora_linear node; record fusions and misses."""
+    """Replace each matched LoRA linear with graphopt::lora_down (x·Aᵀ) and graphopt::lora_linear (or
+    lora_linear_4bit) taking it; record fusions and misses."""
     fused = 0
     dora_recorded = set()
     regions = autocast_regions(gm.graph)
@@ -292,11 +294,13 @@ def fuse_lora(gm: GraphModule, report) -> int:
         except Miss as miss:
             report.misses.append(record_for(lora_b, PATTERN, str(miss)))
             continue
+        x, lora_a = args[0], args[-3]
         with gm.graph.inserting_before(end):
-            dropout = (_keep_mask(gm, args[0], value(args[-3]).dtype, dropout_p), dropout_p) if dropout_p else ()
+            dropout = (_keep_mask(gm, x, value(lora_a).dtype, dropout_p), dropout_p) if dropout_p else ()
+            xa = gm.graph.call_function(torch.ops.graphopt.lora_down.default, (x, lora_a, *dropout))
+        xa.meta = dict(end.meta, example_value=value(_linear_args(lora_b)[0]))  # lora_A's output, as autocast made it
         target = torch.ops.graphopt.lora_linear_4bit.default if quantized else torch.ops.graphopt.lora_linear.default
-        xa = value(_linear_args(lora_b)[0])  # lora_A's output: the op's second, in the dtype autocast gave it
-        op = replace(end, target, (*args, value(end).dtype, *dropout), dead=nodes, outputs=(value(end), xa))
+        op = replace(end, target, (*args[:-1], xa, args[-1], value(end).dtype, *dropout), dead=nodes)
         report.fusions.append(record_for(op, PATTERN_4BIT if quantized else PATTERN))
         fused += 1
     delta = next((n for n in gm.graph.nodes if _PARAMETER_DELTA_SOURCE.search(n.meta.get("stack_trace") or "")),

@@ -11,8 +11,7 @@ this module adds:
   (save_layer_boundaries), so 0 means per-layer checkpointing: each layer's backward recomputes that layer's
   forward only, and what is saved is the residual stream between layers, which offload=True then moves to host
   memory. The fused loss is never recomputed (never_recompute_the_loss), nor any random draw
-  (never_recompute_random_draws), nor a fused LoRA linear for the x·Aᵀ its backward reads
-  (never_recompute_lora_for_its_xa).
+  (never_recompute_random_draws), nor a LoRA linear's x·Aᵀ (never_recompute_lora_down).
 - memory_budget="auto": the fastest plan whose estimated peak fits max_memory_gib, or without it a multiple of
   the weights the graph reads (Partitioner._choose, WEIGHTS_MULTIPLE).
 - graphopt ops as candidates with a cost. torch bans recomputing any op it does not know; here every graphopt op
@@ -130,9 +129,7 @@ class Partitioner(CustomPartitionerFn):
     def _plan(self, joint, joint_inputs, kwargs, budget, offload):
         """(budget, offload, (forward, backward), offload plan or None, memory estimate) for one setting, made
         on a copy of the joint graph (the partitioner edits the graph it is given)."""
-        graphs = _partition(joint, joint_inputs, kwargs, budget, save_fused_ops=True)
-        if _saves_a_tuple(graphs[0]):
-            graphs = _partition(joint, joint_inputs, kwargs, budget, save_fused_ops=False)
+        graphs = _partition(joint, joint_inputs, kwargs, budget)
         plan = (offload_pass.plan_offload(*graphs, kwargs["num_fwd_outputs"], self.offload_copies)
                 if offload else None)
         estimate = estimate_peak(*graphs, offloaded=offload_pass.held_until(graphs[0], plan) if plan else {})
@@ -191,31 +188,17 @@ class Partitioner(CustomPartitionerFn):
         return self
 
 
-def _partition(joint, joint_inputs, kwargs, budget, save_fused_ops):
+def _partition(joint, joint_inputs, kwargs, budget):
     """torch's min-cut partition of a copy of the joint graph (it edits the graph it is given) under budget, with
-    graphopt's rules; save_fused_ops: the fused loss and the LoRA linears whose outputs the backward does not read
-    are saved, not recomputed."""
+    graphopt's rules."""
     joint = _copy(joint)
     if budget < 1:
-        forward = _forward_nodes(joint, kwargs["num_fwd_outputs"])
-        save_layer_boundaries(forward)
-        if save_fused_ops:
-            never_recompute_the_loss(joint)
-            never_recompute_lora_for_its_xa(forward)
+        save_layer_boundaries(_forward_nodes(joint, kwargs["num_fwd_outputs"]))
+        never_recompute_the_loss(joint)
+        never_recompute_lora_down(joint)
     never_recompute_random_draws(joint)
     with torch._functorch.config.patch(partitioner_config(budget)):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-
-
-def _saves_a_tuple(forward: torch.fx.GraphModule) -> bool:
-    """Whether the forward hands the backward a multi-output op's tuple rather than its tensors, which Inductor
-    cannot lower. torch's knapsack does so when every op it could recompute is marked must-save (a graph whose
-    only fused op is one LoRA linear, say): it then returns the marked nodes themselves as the saved values
-    (choose_saved_values_set's early return). Such a graph is partitioned again without the marks on fused ops,
-    which leaves them to the knapsack: a recompute at worst, never a wrong number."""
-    outputs = forward.graph.find_nodes(op="output")[0].args[0]
-    return any(isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), (tuple, list))
-               for node in outputs)
 
 
 def _forward_nodes(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> set:
@@ -242,32 +225,14 @@ def save_layer_boundaries(forward: set) -> None:
                 arg.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
-_LORA_OPS = (torch.ops.graphopt.lora_linear.default, torch.ops.graphopt.lora_linear_4bit.default)
-
-
-def never_recompute_lora_for_its_xa(forward: set) -> None:
-    """A fused LoRA linear whose output the backward does not need is saved, never recomputed. Its backward
-    reads the forward's x·Aᵀ ([tokens, rank]), and the knapsack weighs an op by all its outputs together: to
-    save the output's bytes, which were never needed, it recomputes the op, base matmul and all, for x·Aᵀ alone.
-    That is every layer's down projection (its output meets the residual stream at the layer's saved boundary),
-    and at Llama-3-8B's shape with a 4-bit base a dequantization and a 4,096 × 14,336 matmul per layer. Saved,
-    the op keeps x·Aᵀ only: its output has no reader in the backward. An output the backward reads (through
-    values it recomputes) leaves the op to the knapsack. forward: as save_layer_boundaries'."""
-    for node in forward:
-        if node.op != "call_function" or node.target not in _LORA_OPS:
-            continue
-        stack = [user for user in node.users if user.args[1] == 0]
-        seen, needed = set(), False
-        while stack and not needed:
-            value = stack.pop()
-            if value in seen:
-                continue
-            seen.add(value)
-            needed = value.op != "output" and value not in forward  # the output node: a forward output
-            if value.meta.get("recompute") != CheckpointPolicy.MUST_SAVE:  # a saved value is read as saved
-                stack.extend(value.users)
-        if not needed:
-            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+def never_recompute_lora_down(joint: torch.fx.GraphModule) -> None:
+    """A LoRA linear's x·Aᵀ (graphopt::lora_down), which its backward reads, is saved, never recomputed: it is
+    [tokens, rank] (in fp32 at rank 16, 1/128 of the bytes of a bf16 x of 4,096 features), while recomputing it
+    reads all of x again, a cost the knapsack's FLOP estimate does not see. A linear the backward recomputes for
+    its output then redoes only the base matmul and ·Bᵀ; one whose output the backward does not read (the down
+    projection, whose output meets the residual stream at the layer's saved boundary) is not recomputed at all."""
+    for node in joint.graph.find_nodes(op="call_function", target=torch.ops.graphopt.lora_down.default):
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def never_recompute_the_loss(joint: torch.fx.GraphModule) -> None:
@@ -324,17 +289,22 @@ def _rows(shape):
     return rows
 
 
+@register_flop_formula(torch.ops.graphopt.lora_down)
+def _lora_down_flops(x_shape, lora_a_shape, *args, **kwargs):
+    return 2 * _rows(x_shape) * lora_a_shape[0] * lora_a_shape[1]
+
+
 @register_flop_formula(torch.ops.graphopt.lora_linear)
-def _lora_linear_flops(x_shape, weight_shape, bias_shape, lora_a_shape, lora_b_shape, *args, **kwargs):
+def _lora_linear_flops(x_shape, weight_shape, bias_shape, lora_a_shape, *args, **kwargs):
     rows, (out_features, in_features), rank = _rows(x_shape), weight_shape, lora_a_shape[0]
-    return 2 * rows * out_features * in_features + 2 * rows * rank * (in_features + out_features)
+    return 2 * rows * out_features * in_features + 2 * rows * rank * out_features
 
 
 @register_flop_formula(torch.ops.graphopt.lora_linear_4bit)
 def _lora_linear_4bit_flops(x_shape, packed_shape, shape, absmax_shape, blocksize, quant_type, bias_shape,
                             absmax_8bit_shape, absmax_code_shape, absmax_offset_shape, lora_a_shape, *args, **kwargs):
     rows, (out_features, in_features), rank = _rows(x_shape), shape, lora_a_shape[0]
-    return 2 * rows * out_features * in_features + 2 * rows * rank * (in_features + out_features)
+    return 2 * rows * out_features * in_features + 2 * rows * rank * out_features
 
 
 @register_flop_formula(torch.ops.graphopt.linear_cross_entropy)

@@ -1,8 +1,5 @@
 """The rewrite skeleton the fusion passes share: a Miss says why a candidate stays as it is (the report's miss
-reason); replace() puts the fused call (or its first output) where the subgraph's result was and erases what
-nothing reads any more."""
-
-import operator
+reason); replace() puts the fused call where the subgraph's result was and erases what nothing reads any more."""
 
 from torch.fx import Node
 
@@ -23,20 +20,14 @@ def check_only_inside(nodes, end: Node, what: str) -> None:
                        f"{', '.join(operation(u) for u in outside)}")
 
 
-def replace(end: Node, target, args, meta=None, dead=(), outputs=None) -> Node:
+def replace(end: Node, target, args, meta=None, dead=()) -> Node:
     """target(*args) inserted before end, with end's metadata (or meta), taking over end's uses; then end and the
-    nodes of `dead` are erased once nothing reads them. outputs: for a target that returns a tuple whose first
-    element stands for end (the rest feed its backward), the tuple's example value; the call's getitem 0 then
-    takes over end's uses."""
+    nodes of `dead` are erased once nothing reads them."""
     graph = end.graph
     with graph.inserting_before(end):
         new = graph.call_function(target, tuple(args))
-        result = new if outputs is None else graph.call_function(operator.getitem, (new, 0))
     new.meta = dict(end.meta) if meta is None else meta
-    if outputs is not None:
-        new.meta["example_value"] = outputs
-        result.meta = dict(end.meta)
-    end.replace_all_uses_with(result)
+    end.replace_all_uses_with(new)
     erase_unused([end, *dead])
     return new
 
