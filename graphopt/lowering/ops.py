@@ -274,7 +274,7 @@ def check_lora_linear(x, weight, lora_a, lora_b, xa, dropout_mask=None, dropout_
     shape = tuple(weight.shape) if isinstance(weight, Tensor) else tuple(weight)
     check_lora_down(x, lora_a, dropout_mask, dropout_p, op)
     torch._check(len(shape) == 2 and lora_b.dim() == 2,
-                 lambda: f"{op}: weight, lora_a and lora_b must be matrices")
+                 lambda: f"{op}: weight and lora_b must be matrices")
     torch._check(x.shape[-1] == shape[1] and lora_b.shape[0] == shape[0] and lora_b.shape[1] == lora_a.shape[0],
                  lambda: f"{op}: shapes do not chain: x {tuple(x.shape)}, weight {shape}, "
                          f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
