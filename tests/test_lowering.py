@@ -90,14 +90,16 @@ def test_cuda_report_names_the_fallback_the_inputs_take():
     assert "16-bit" in cuda.attention_variant(heads(fp32, 64), heads(fp32, 64), heads(fp32, 64), None)
     assert "head dim 320" in cuda.attention_variant(heads(bf16, 320), heads(bf16, 320), heads(bf16, 320), None)
     x, weight = registry.Running(bf16, (4, 64), cpu), registry.Running(bf16, (32, 64), cpu)
-    adapter = registry.Running(fp32, (8, 64), cpu)
-    assert cuda.lora_variant(x, weight, None, adapter, adapter) is None
-    same = registry.Running(bf16, (8, 64), cpu)
-    assert "all in bfloat16" in cuda.lora_variant(x, weight, None, same, same)
+    adapter, xa = registry.Running(fp32, (8, 64), cpu), registry.Running(fp32, (4, 8), cpu)
+    assert cuda.lora_down_variant(x, adapter) is None
+    assert cuda.lora_variant(x, weight, None, adapter, adapter, xa) is None
+    same, same_xa = registry.Running(bf16, (8, 64), cpu), registry.Running(bf16, (4, 8), cpu)
+    assert "all in bfloat16" in cuda.lora_down_variant(x, same)
+    assert "all in bfloat16" in cuda.lora_variant(x, weight, None, same, same, same_xa)
     # a 4-bit base is dequantized into x's dtype first: the adapters alone decide
     packed, absmax = registry.Running(torch.uint8, (1024, 1), cpu), registry.Running(fp32, (32,), cpu)
-    assert cuda.lora_4bit_variant(x, packed, absmax, None, None, None, None, adapter, adapter) is None
-    assert cuda.lora_4bit_variant(x, packed, absmax, None, None, None, None, same, same).startswith(
+    assert cuda.lora_4bit_variant(x, packed, absmax, None, None, None, None, adapter, adapter, xa) is None
+    assert cuda.lora_4bit_variant(x, packed, absmax, None, None, None, None, same, same, same_xa).startswith(
         "Triton kernel kernels/dequantize_4bit.py")
 
 
