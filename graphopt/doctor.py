@@ -61,11 +61,11 @@ def _cases(device: torch.device, dtype: torch.dtype):
     head = (hidden, lm_head, None, target, 0.7, 30.0, 1.0, dtype)
     stats = reference.linear_logprobs(*head, True, True, True, False, 4)
     # attention over a batch without padding: the log-sum-exp's token order is then the same in every implementation;
-    # packed, two documents
+    # packed, two documents under a sliding window of 3
     v, keep = randn(1, 2, 8, 32), torch.ones(1, 8, dtype=torch.bool, device=device)
     out, lse = reference.padded_attention(q, k, v, keep, 0.2)
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]], device=device)
-    packed_out, packed_lse = reference.packed_attention(q, k, v, positions, 0.2)
+    packed_out, packed_lse = reference.packed_attention(q, k, v, positions, 0.2, 3)
     graphopt = torch.ops.graphopt
     return [
         (graphopt.rms_norm, (x, w, 1e-6, 0.0, dtype), reference.rms_norm),
@@ -89,8 +89,8 @@ def _cases(device: torch.device, dtype: torch.dtype):
         (graphopt.padded_attention, (q, k, v, keep, 0.2), reference.padded_attention),
         (graphopt.padded_attention_backward, (randn(1, 4, 8, 32), q, k, v, keep, out, lse, 0.2),
          reference.padded_attention_backward),
-        (graphopt.packed_attention, (q, k, v, positions, 0.2), reference.packed_attention),
-        (graphopt.packed_attention_backward, (randn(1, 4, 8, 32), q, k, v, positions, packed_out, packed_lse, 0.2),
+        (graphopt.packed_attention, (q, k, v, positions, 0.2, 3), reference.packed_attention),
+        (graphopt.packed_attention_backward, (randn(1, 4, 8, 32), q, k, v, positions, packed_out, packed_lse, 0.2, 3),
          reference.packed_attention_backward),
         *_4bit_cases(randn, x, xa, lora_a, lora_b, dtype),
     ]

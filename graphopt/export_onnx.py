@@ -13,7 +13,7 @@ import torch
 from onnx.defs import OpSchema
 
 DOMAIN = "com.graphopt"
-VERSION = 2  # 2: a LoRA linear is lora_down, then lora_linear taking its XA
+VERSION = 3  # 2: a LoRA linear is lora_down, then lora_linear taking its XA; 3: the attention ops' window
 FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
 INTEGERS = ["tensor(int64)", "tensor(int32)"]
 
@@ -32,6 +32,8 @@ def _attribute(name, kind, doc):
 _FLOAT, _INT, _STRING = OpSchema.AttrType.FLOAT, OpSchema.AttrType.INT, OpSchema.AttrType.STRING
 _OUT_DTYPE = _attribute("out_dtype", _INT, "the output's element type (onnx.TensorProto data type)")
 _SCALE = _attribute("scale", _FLOAT, "the factor of q·kᵀ")
+_WINDOW = OpSchema.Attribute("window", _INT, "a sliding window: query i attends key j only where i − j < window; "
+                                             "absent: no window", required=False)
 _ATTENTION_OUTPUTS = [_input("out", "T", "[B, H, L, D] in q's type"),
                       _input("lse", "tensor(float)", "[H, B·L]: each query's log-sum-exp of its scaled scores, 0 "
                                                       "where it attends nothing")]
@@ -86,14 +88,14 @@ SCHEMAS = {
         "Causal attention over a padded batch: query i attends key j when j ≤ i and keep[b, i] and keep[b, j]; "
         "query head h reads kv head h // (H / Hk); a query attending nothing outputs 0.",
         inputs=[*_QKV, _input("keep", "tensor(bool)", "[B, L]: attention_mask ≠ 0")],
-        outputs=_ATTENTION_OUTPUTS, type_constraints=[("T", FLOATS, "")], attributes=[_SCALE]),
+        outputs=_ATTENTION_OUTPUTS, type_constraints=[("T", FLOATS, "")], attributes=[_SCALE, _WINDOW]),
     "packed_attention": OpSchema(
         "packed_attention", DOMAIN, VERSION,
         "Causal attention within each document of a packed batch: a document starts at a row's first token and "
         "wherever a position is not the one before it plus 1; query i attends key j when j ≤ i in its document.",
         inputs=[*_QKV, _input("position_ids", "T1", "[B, L]")],
         outputs=_ATTENTION_OUTPUTS, type_constraints=[("T", FLOATS, ""), ("T1", INTEGERS, "")],
-        attributes=[_SCALE]),
+        attributes=[_SCALE, _WINDOW]),
 }
 
 
@@ -174,12 +176,16 @@ def lora_linear(x, weight, bias, lora_a, lora_b, xa, scaling: float, out_dtype: 
     return _OPS["lora_linear"](x, weight, bias, lora_b, xa, scaling=scaling, out_dtype=out_dtype)
 
 
-def padded_attention(q, k, v, keep, scale: float):
-    return _OPS["padded_attention"](q, k, v, keep, scale=scale)
+def _window(window):
+    return {} if window is None else {"window": window}
 
 
-def packed_attention(q, k, v, position_ids, scale: float):
-    return _OPS["packed_attention"](q, k, v, position_ids, scale=scale)
+def padded_attention(q, k, v, keep, scale: float, window=None):
+    return _OPS["padded_attention"](q, k, v, keep, scale=scale, **_window(window))
+
+
+def packed_attention(q, k, v, position_ids, scale: float, window=None):
+    return _OPS["packed_attention"](q, k, v, position_ids, scale=scale, **_window(window))
 
 
 TRANSLATIONS = {getattr(torch.ops.graphopt, name).default: globals()[name] for name in SCHEMAS}

@@ -21,6 +21,12 @@ DISTINCT = ("gemma", "llama", "phi3")
 # The architectures whose padded and packed batches compile at a symbolic length too: llama, and phi3 (fused qkv,
 # partial rotary); the others' attention is llama's, and a symbolic compile costs CI twice a static one.
 SYMBOLIC_LENGTH = {"llama", "phi3"}
+# Architectures that a few tests take by name, outside the suite's parametrization: Gemma-3's text model, a
+# sliding-window layer (5 of 6 in the released models) then a full one, each with its own mask.
+OTHER_ARCHITECTURES = {
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+               {"head_dim": 16, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}),
+}
 
 
 def rms_norm_modules(model) -> int:
@@ -31,7 +37,7 @@ def tiny_lora_model(arch: str, dtype=torch.float32, seed: int = 0, adapter_dtype
                     **overrides):
     """The adapters in fp32 whatever the base's dtype (PEFT's default), or in the base's dtype when adapter_dtype
     is None (PEFT's autocast_adapter_dtype=False)."""
-    config_cls, model_cls, extra = ARCHITECTURES[arch]
+    config_cls, model_cls, extra = {**ARCHITECTURES, **OTHER_ARCHITECTURES}[arch]
     torch.manual_seed(seed)
     config = config_cls(**{**COMMON, **extra, **overrides})
     model = model_cls(config).to(dtype)

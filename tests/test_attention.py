@@ -117,6 +117,37 @@ def test_causal_padding_mask_becomes_padded_attention():
     assert relative_error(first_output(gm, inputs) * kept, expected * kept) <= 1e-6
 
 
+def hf_window(q, k, size):  # HF's sliding_window_overlay over indices: kv > q - size
+    kv_idx = (torch.arange(k.shape[-2]) + 0)[None, None, None, :]
+    q_idx = (torch.arange(q.shape[-2]) + 0)[None, None, :, None]
+    return kv_idx > q_idx - size
+
+
+def padded_window_attention(q, k, v, pad):  # Mistral's padded mask: window, causal, kept keys
+    mask = hf_window(q, k, 5) & causal_bool(q, k) & pad[:, None, None, :].bool()
+    return SDPA(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask)
+
+
+def test_a_sliding_window_over_padding_becomes_windowed_padded_attention():
+    args = qkv(2, 8, 2, 16, 8, torch.float32)
+    pad = torch.ones(2, 16)
+    pad[1, 11:] = 0
+    gm, inputs, expected, report, rewritten = run_pass(rewrite_attention, padded_window_attention, *args, pad)
+    assert [r.pattern for r in report.fusions] == ["attention_padded"] and not report.misses
+    (fused,) = [n for n in gm.graph.nodes if n.target is torch.ops.graphopt.padded_attention.default]
+    assert fused.args[5] == 5
+    kept = pad.bool()[:, None, :, None]
+    assert relative_error(first_output(gm, inputs) * kept, expected * kept) <= 1e-6
+
+
+def unpadded_window(q, k):
+    return hf_window(q, k, 5) & causal_bool(q, k)
+
+
+def empty_window(q, k):  # kv > q and kv ≤ q: a window of no key
+    return hf_window(q, k, 0) & causal_bool(q, k)
+
+
 def upper_triangle(q, k):
     return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).triu()
 
@@ -129,6 +160,8 @@ def only_k_repeated(q, k, v):
     (hf_attention(sliding_window), (), {"attention_causal": "not the causal lower triangle",
                                         "attention_gqa": "a mask is given"}),
     (hf_attention(upper_triangle), (), {"attention_causal": "not the causal lower triangle"}),
+    (hf_attention(unpadded_window), (), {"attention_causal": "a sliding window (5 tokens) over an unpadded batch"}),
+    (hf_attention(empty_window), (), {"attention_causal": "not the causal lower triangle"}),
     (padding_only, (torch.ones(2, 16),), {"attention_causal": "not the causal lower triangle"}),
     (only_k_repeated, (), {"attention_gqa": "only one of key and value"}),
 ])

@@ -176,8 +176,10 @@ def _reference_ops():
         kernel("lora_down", lambda x, a: reference.lora_down(x, a)),
         kernel("lora_linear", lambda x, w, b, bb, xa, scaling, out_dtype: reference.lora_linear(x, w, b, None, bb, xa,
                                                                                                 scaling, out_dtype)),
-        kernel("padded_attention", lambda q, k, v, keep, scale: reference.padded_attention(q, k, v, keep, scale)),
-        kernel("packed_attention", lambda q, k, v, p, scale: reference.packed_attention(q, k, v, p, scale)),
+        kernel("padded_attention", lambda q, k, v, keep, scale, window=None: reference.padded_attention(
+            q, k, v, keep, scale, window)),
+        kernel("packed_attention", lambda q, k, v, p, scale, window=None: reference.packed_attention(
+            q, k, v, p, scale, window)),
     ]
 
 
@@ -191,7 +193,7 @@ def test_the_com_graphopt_onnx_names_each_op_once_per_use(merge_lora, tmp_path):
     graphopt.export(model, batch(2, 16), tmp_path, format="onnx", merge_lora=merge_lora)
     proto = onnx.load(tmp_path / "model.onnx")
     onnx.checker.check_model(proto, full_check=True)  # every com.graphopt node against its registered schema
-    assert {(o.domain, o.version) for o in proto.opset_import} >= {("com.graphopt", 2)}
+    assert {(o.domain, o.version) for o in proto.opset_import} >= {("com.graphopt", 3)}
     program_ops = json.loads((tmp_path / "export.json").read_text())["graphopt_ops"]
     assert graphopt_nodes(proto) == {op.split(".")[1]: count for op, count in program_ops.items()}
     adapted = len(adapted_layers(model))

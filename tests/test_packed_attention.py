@@ -16,8 +16,7 @@ from graphs import first_output, relative_error, run_pass
 from graphopt.passes.attention import rewrite_attention
 from models import ARCHITECTURES, SYMBOLIC_LENGTH, tiny_lora_model
 from test_attention import qkv, repeat_kv, sdpa_nodes
-from test_batches import compile_and_compare
-from test_padded_attention import check, opcheck_layouts
+from test_padded_attention import WINDOWED, check, fused_attention, opcheck_layouts
 from texts import VOCAB, sentences
 
 OP = torch.ops.graphopt.packed_attention.default
@@ -54,6 +53,15 @@ def position_mask(q, position_ids):  # transformers 5.24: causal over the positi
     return (causal & (doc[b, q_idx] == doc[b, kv_idx])).expand(batch, -1, length, length)
 
 
+def position_window_mask(q, position_ids):  # transformers 5.24 under a sliding window of 3: positions compared
+    batch, length = position_ids.shape
+    positions = position_ids.expand(batch, -1)
+    b = torch.arange(batch)[:, None, None, None]
+    q_idx = (torch.arange(length) + 0)[None, None, :, None]
+    kv_idx = (torch.arange(length) + 0)[None, None, None, :]
+    return (positions[b, kv_idx] > positions[b, q_idx] - 3) & position_mask(q, position_ids)
+
+
 def index_mask_methods(q, position_ids):  # the same, recorded as Dynamo records it in 5.17: call_method __eq__
     batch, length = position_ids.shape
     doc = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1).__ne__(1).cumsum(-1)
@@ -63,12 +71,14 @@ def index_mask_methods(q, position_ids):  # the same, recorded as Dynamo records
     return kv_idx.__le__(q_idx).__and__(doc[b, q_idx].__eq__(doc[b, kv_idx])).expand(batch, -1, length, length)
 
 
-def exact(q, k, v, position_ids, scale):
-    """fp64 SDPA with HF's mask."""
+def exact(q, k, v, position_ids, scale, window=None):
+    """fp64 SDPA with HF's mask (within the sliding window, over positions, if any)."""
     groups = q.shape[1] // k.shape[1]
+    mask = index_mask(q, position_ids.cpu()).to(q.device)
+    if window is not None:
+        mask = mask & (position_ids[:, None, None, :] > position_ids[:, None, :, None] - window)
     return F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(groups, 1),
-                                          v.double().repeat_interleave(groups, 1),
-                                          attn_mask=index_mask(q, position_ids.cpu()).to(q.device), scale=scale)
+                                          v.double().repeat_interleave(groups, 1), attn_mask=mask, scale=scale)
 
 
 def inputs(batch, heads, kv_heads, length, dim, dtype, device, seed=0):
@@ -87,19 +97,20 @@ def test_matches_fp64(device, batch, kv_heads, groups, dim, data):
         cuts = sorted(data.draw(st.sets(st.integers(1, length - 1), max_size=6)) if length > 1 else [])
         rows.append([b - a for a, b in zip([0] + cuts, cuts + [length])])
     position_ids = positions_of(rows).to(device)
+    window = data.draw(st.none() | st.integers(1, length + 1))
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if device == "cuda" else [])
     for dtype in dtypes:
         q, k, v = inputs(batch, kv_heads * groups, kv_heads, length, dim, dtype, device, seed=length)
-        check(q, k, v, position_ids, dim ** -0.5, 1e-5 if dtype == torch.float32 else 2e-2, OP, exact)
+        check(q, k, v, position_ids, dim ** -0.5, 1e-5 if dtype == torch.float32 else 2e-2, OP, exact, window)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("batch", [1, 2])
-def test_opcheck(device, batch):
+@pytest.mark.parametrize("batch, window", [(1, None), (2, None), (2, 5)])
+def test_opcheck(device, batch, window):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # CUDA: the flash kernels
     q, k, v = inputs(batch, 4, 2, 24, 64, dtype, device)
     position_ids = positions_of([[4, 11, 9], [24]][:batch]).to(device)
-    opcheck_layouts(OP, torch.ops.graphopt.packed_attention_backward.default, q, k, v, position_ids, 0.125)
+    opcheck_layouts(OP, torch.ops.graphopt.packed_attention_backward.default, q, k, v, position_ids, 0.125, window)
 
 
 def test_documents_are_runs_of_consecutive_positions():
@@ -152,13 +163,16 @@ def hf_packed(mask_of):
     return attention
 
 
-@pytest.mark.parametrize("mask_of", [index_mask, index_mask_methods, position_mask])
-def test_both_forms_of_hf_packed_mask_become_packed_attention(mask_of):
+@pytest.mark.parametrize("mask_of, window", [(index_mask, None), (index_mask_methods, None), (position_mask, None),
+                                             (position_window_mask, 3)])
+def test_both_forms_of_hf_packed_mask_become_packed_attention(mask_of, window):
     q, k, v = qkv(2, 8, 2, 16, 8, torch.float32)
     position_ids = positions_of([[5, 7, 4], [16]])
     gm, inputs_, expected, report, _ = run_pass(rewrite_attention, hf_packed(mask_of), q, k, v, position_ids)
     assert [r.pattern for r in report.fusions] == ["attention_packed"] and not report.misses
     assert not sdpa_nodes(gm)
+    (fused,) = [n for n in gm.graph.nodes if n.target is OP]
+    assert fused.args[5] == window
     assert relative_error(first_output(gm, inputs_), expected) <= 1e-6
 
 
@@ -191,20 +205,18 @@ def test_near_misses_stay(mask_of):
 def test_hf_packed_batches_fuse_and_train_the_same(arch, fresh_dynamo):
     """DataCollatorWithFlattening's batches at a static length, then (SYMBOLIC_LENGTH) a symbolic one: every
     attention layer fused (but under a sliding window, which stays with a miss), loss and gradients equal to eager."""
-    model = tiny_lora_model(arch, vocab_size=VOCAB, use_cache=False)  # HF keeps documents apart without a cache
+    # HF keeps documents apart without a cache
+    model = tiny_lora_model(arch, vocab_size=VOCAB, use_cache=False, **WINDOWED.get(arch, {}))
     data = sentences()
     flatten = transformers.DataCollatorWithFlattening()
     batches = [flatten(data[0:4]), flatten(data[6:9])][:2 if arch in SYMBOLIC_LENGTH else 1]
-    graphs, reports = compile_and_compare(model, batches)
-    assert graphs == [1, 2][:len(batches)]  # the static graph, then the symbolic one
-    layers = model.config.num_hidden_layers
-    for report in reports:
-        if getattr(model.config, "sliding_window", None):  # Mistral's: the mask adds kv > q - window
-            assert "attention_packed" not in report.summary()
-            assert [m for m in report.misses if m.pattern == "attention_causal"]
-            continue
-        assert report.summary().get("attention_packed") == layers
-        assert not [m for m in report.misses if m.pattern.startswith("attention")]
+    fused_attention(model, batches, "attention_packed")
+
+
+def test_gemma3_sliding_window_layers_fuse_with_the_documents(fresh_dynamo):
+    """Both layer kinds fused, the sliding window counted over positions within each document."""
+    model = tiny_lora_model("gemma3", vocab_size=VOCAB, use_cache=False)
+    fused_attention(model, [transformers.DataCollatorWithFlattening()(sentences()[0:4])], "attention_packed")
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="the flash kernels run on CUDA")

@@ -32,10 +32,16 @@ def keep_mask(lengths, length, left=False, holes=False, seed=0):
     return keep
 
 
-def exact(q, k, v, keep, scale):
-    """fp64 SDPA with HF's mask (causal & attention_mask[b, kv]), 0 at padding queries."""
+def causal(length, window, device):
+    """HF's causal mask over indices, within its sliding window (sliding_window_overlay: kv > q - window) if any."""
+    q_idx, kv_idx = torch.arange(length, device=device)[:, None], torch.arange(length, device=device)[None, :]
+    return (kv_idx <= q_idx) & (True if window is None else kv_idx > q_idx - window)
+
+
+def exact(q, k, v, keep, scale, window=None):
+    """fp64 SDPA with HF's mask (causal & attention_mask[b, kv], within the window), 0 at padding queries."""
     groups = q.shape[1] // k.shape[1]
-    mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril() & keep[:, None, None, :]
+    mask = causal(q.shape[2], window, q.device) & keep[:, None, None, :]
     out = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(groups, 1),
                                          v.double().repeat_interleave(groups, 1), attn_mask=mask, scale=scale)
     return (out * keep[:, None, :, None]).nan_to_num()
@@ -47,16 +53,16 @@ def inputs(batch, heads, kv_heads, length, dim, dtype, device, seed=0):
             for h in (heads, kv_heads, kv_heads)]
 
 
-def check(q, k, v, tokens, scale, tolerance, op=OP, expected_of=exact):
+def check(q, k, v, tokens, scale, tolerance, op=OP, expected_of=exact, window=None):
     """op's output and its gradients against expected_of's fp64 computation (packed_attention's test passes its
     own); returns the output."""
-    out, _ = op(q, k, v, tokens, scale)
+    out, _ = op(q, k, v, tokens, scale, window)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert out.transpose(1, 2).is_contiguous()  # laid out [B, L, H, D], as the fake says
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    expected = expected_of(q64, k64, v64, tokens, scale)
+    expected = expected_of(q64, k64, v64, tokens, scale, window)
     expected_grads = torch.autograd.grad(expected, (q64, k64, v64), grad.double())
     assert relative_error(out, expected) <= tolerance
     # As one vector: at length 1, dq and dk are exactly 0 and 16-bit rounding leaves ~1e-7 in them
@@ -72,10 +78,12 @@ def check(q, k, v, tokens, scale, tolerance, op=OP, expected_of=exact):
 def test_matches_fp64(device, batch, kv_heads, groups, length, dim, layout, data):
     lengths = data.draw(st.lists(st.integers(0, length), min_size=batch, max_size=batch))
     keep = keep_mask(lengths, length, left=layout == "left", holes=layout == "holes").to(device)
+    # A window over rows with holes: the CUDA kernels count it over kept tokens (kernels/padded_attention.py)
+    window = None if device == "cuda" and layout == "holes" else data.draw(st.none() | st.integers(1, length + 1))
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if device == "cuda" else [])
     for dtype in dtypes:
         q, k, v = inputs(batch, kv_heads * groups, kv_heads, length, dim, dtype, device, seed=length)
-        out = check(q, k, v, keep, dim ** -0.5, 1e-5 if dtype == torch.float32 else 2e-2)
+        out = check(q, k, v, keep, dim ** -0.5, 1e-5 if dtype == torch.float32 else 2e-2, window=window)
         assert torch.all(out.transpose(1, 2)[~keep] == 0)
 
 
@@ -85,23 +93,24 @@ LAYOUTS = {"projection": lambda x: x.transpose(1, 2).contiguous().transpose(1, 2
            "contiguous": lambda x: x.contiguous()}
 
 
-def opcheck_layouts(op, backward, q, k, v, mask, scale):
+def opcheck_layouts(op, backward, q, k, v, mask, scale, window):
     """opcheck of the op and its backward on q, k and v in each of LAYOUTS."""
     for layout in LAYOUTS.values():
         q, k, v = (layout(t.detach()).requires_grad_() for t in (q, k, v))
-        torch.library.opcheck(op, (q, k, v, mask, scale))
-        out, lse = op(q, k, v, mask, scale)
+        torch.library.opcheck(op, (q, k, v, mask, scale, window))
+        out, lse = op(q, k, v, mask, scale, window)
         grad = torch.randn_like(out)
-        torch.library.opcheck(backward, (grad, q.detach(), k.detach(), v.detach(), mask, out.detach(), lse, scale))
+        torch.library.opcheck(backward, (grad, q.detach(), k.detach(), v.detach(), mask, out.detach(), lse, scale,
+                                         window))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("batch", [1, 2])
-def test_opcheck(device, batch):
+@pytest.mark.parametrize("batch, window", [(1, None), (2, None), (2, 5)])
+def test_opcheck(device, batch, window):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # CUDA: the flash kernels
     q, k, v = inputs(batch, 4, 2, 24, 64, dtype, device)
     keep = keep_mask([24, 13][:batch], 24).to(device)
-    opcheck_layouts(OP, torch.ops.graphopt.padded_attention_backward.default, q, k, v, keep, 0.125)
+    opcheck_layouts(OP, torch.ops.graphopt.padded_attention_backward.default, q, k, v, keep, 0.125, window)
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="the flash kernels run on CUDA")
@@ -147,21 +156,32 @@ def test_the_row_kernel_moves_tokens_as_indexing_does(lengths, extra, kind, head
                        x * keep[:, None, :, None])
 
 
+# Mistral's sliding window (its mask adds kv > q - window) narrower than the sentences, so that it bites
+WINDOWED = {"mistral": {"sliding_window": 6}}
+
+
+def fused_attention(model, batches, pattern):
+    """compile_and_compare's check, then every attention layer fused as `pattern`, no attention miss."""
+    graphs, reports = compile_and_compare(model, batches)
+    assert graphs == [1, 2][:len(batches)]  # the static graph, then the symbolic one
+    for report in reports:
+        assert report.summary().get(pattern) == model.config.num_hidden_layers
+        assert not [m for m in report.misses if m.pattern.startswith("attention")]
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_hf_padded_batches_fuse_and_train_the_same(arch, fresh_dynamo):
     """HF's padded batches at a static length, then (SYMBOLIC_LENGTH) a symbolic one: every attention layer
-    fused (but under a sliding window, which stays with a miss), loss and gradients equal to eager (labels -100 at
-    the padding, as HF's collators make them)."""
-    model = tiny_lora_model(arch, vocab_size=VOCAB)
+    fused, under Mistral's sliding window too, loss and gradients equal to eager (labels -100 at the padding, as
+    HF's collators make them)."""
+    model = tiny_lora_model(arch, vocab_size=VOCAB, **WINDOWED.get(arch, {}))
     data = sentences()
     batches = [pad_batch(rows) for rows in (data[0:4], data[8:12])][:2 if arch in SYMBOLIC_LENGTH else 1]
-    graphs, reports = compile_and_compare(model, batches)
-    assert graphs == [1, 2][:len(batches)]  # the static graph, then the symbolic one
-    layers = model.config.num_hidden_layers
-    for report in reports:
-        if getattr(model.config, "sliding_window", None):  # Mistral's: the mask adds kv > q - window
-            assert "attention_padded" not in report.summary()
-            assert [m for m in report.misses if m.pattern == "attention_causal"]
-            continue
-        assert report.summary().get("attention_padded") == layers
-        assert not [m for m in report.misses if m.pattern.startswith("attention")]
+    fused_attention(model, batches, "attention_padded")
+
+
+def test_gemma3_sliding_window_layers_fuse_with_the_padding(fresh_dynamo):
+    """Both layer kinds fused, each with its own mask (window 6 and none), at a static length and a symbolic one."""
+    data = sentences()
+    batches = [pad_batch(rows) for rows in (data[0:4], data[8:12])]
+    fused_attention(tiny_lora_model("gemma3", vocab_size=VOCAB), batches, "attention_padded")

@@ -44,17 +44,17 @@ def _backward(grad_out, q, k, v, attends, out, lse, scale):
     return dq.transpose(1, 2).contiguous().transpose(1, 2), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
 
 
-def padded_attention(q, k, v, keep, scale):
-    return _forward(q, k, v, padded_attends(keep), scale)
+def padded_attention(q, k, v, keep, scale, window=None):
+    return _forward(q, k, v, padded_attends(keep, window), scale)
 
 
-def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
-    return _backward(grad_out, q, k, v, padded_attends(keep), out, lse, scale)
+def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale, window=None):
+    return _backward(grad_out, q, k, v, padded_attends(keep, window), out, lse, scale)
 
 
-def packed_attention(q, k, v, position_ids, scale):
-    return _forward(q, k, v, packed_attends(position_ids), scale)
+def packed_attention(q, k, v, position_ids, scale, window=None):
+    return _forward(q, k, v, packed_attends(position_ids, window), scale)
 
 
-def packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale):
-    return _backward(grad_out, q, k, v, packed_attends(position_ids), out, lse, scale)
+def packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale, window=None):
+    return _backward(grad_out, q, k, v, packed_attends(position_ids, window), out, lse, scale)

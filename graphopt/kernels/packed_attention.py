@@ -12,7 +12,7 @@ op is not captured in CUDA graphs (lowering/ops.py).
 import torch
 
 from graphopt.kernels.layout import once_per_tensor
-from graphopt.kernels.padded_attention import longest_for_kernels
+from graphopt.kernels.padded_attention import longest_for_kernels, window_sizes
 from graphopt.kernels.reference import document_starts
 
 
@@ -42,19 +42,20 @@ def _unflat(y, batch, length):
     return y.contiguous().view(batch, length, *y.shape[1:]).transpose(1, 2)
 
 
-def packed_attention_forward(q, k, v, position_ids, scale):
+def packed_attention_forward(q, k, v, position_ids, scale, window=None):
     batch, _, length, _ = q.shape
     bounds, longest = _documents(position_ids)
     out, lse = torch.ops.aten._flash_attention_forward(
-        _flat(q), _flat(k), _flat(v), bounds, bounds, longest, longest, 0.0, True, False, scale=scale)[:2]
+        _flat(q), _flat(k), _flat(v), bounds, bounds, longest, longest, 0.0, True, False, scale=scale,
+        **window_sizes(window))[:2]
     return _unflat(out, batch, length), lse
 
 
-def packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale):
+def packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale, window=None):
     batch, _, length, _ = q.shape
     bounds, longest = _documents(position_ids)
     no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state dropout would have used
     grads = torch.ops.aten._flash_attention_backward(
         _flat(grad_out), _flat(q), _flat(k), _flat(v), _flat(out), lse, bounds, bounds, longest, longest, 0.0, True,
-        no_dropout, torch.empty(0, device=q.device), scale=scale)
+        no_dropout, torch.empty(0, device=q.device), scale=scale, **window_sizes(window))
     return tuple(_unflat(g, batch, length) for g in grads)

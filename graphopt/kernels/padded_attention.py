@@ -10,6 +10,11 @@ kernels/reference.py); its gradient is zeroed before the backward, so it contrib
 The reordering is one Triton launch per tensor (_rows_kernel), a program per token moving all its heads, the
 zeroing of the padding folded in: aten's advanced indexing takes an index kernel plus index and fill launches per
 tensor, and reaches about a quarter of the H200's memory bandwidth (benchmarks/RESULTS.md, SFT section R).
+
+A sliding window is the kernels' own (window_size_left), counted along each sequence: exact where a row's kept
+tokens are one run (left or right padding, what tokenizers and HF's collators make). Where padding sits between
+kept tokens the kernels count the window over kept tokens only, as HF's flash-attention path does, and the
+definition (kernels/reference.py, over positions, as eager's mask) attends fewer keys.
 """
 
 import torch
@@ -107,18 +112,24 @@ def longest_for_kernels(length):
     return max(length, 2)
 
 
-def padded_attention_forward(q, k, v, keep, scale):
+def window_sizes(window):
+    """The flash kernels' keyword arguments for a sliding window of `window` positions (None: none): the query
+    attends window - 1 keys before it and itself."""
+    return {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
+
+
+def padded_attention_forward(q, k, v, keep, scale, window=None):
     batch, _, length, _ = q.shape
     keep = keep.contiguous()
     order, bounds = _sequences(keep)
     longest = longest_for_kernels(length)
     out, lse = torch.ops.aten._flash_attention_forward(
         _flat(q, order), _flat(k, order), _flat(v, order), bounds, bounds, longest, longest, 0.0, True, False,
-        scale=scale)[:2]
+        scale=scale, **window_sizes(window))[:2]
     return _unflat(out, order, keep, batch, length), lse
 
 
-def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
+def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale, window=None):
     batch, _, length, _ = q.shape
     keep = keep.contiguous()
     order, bounds = _sequences(keep)
@@ -127,5 +138,5 @@ def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
     grads = torch.ops.aten._flash_attention_backward(
         _flat(grad_out, order, keep), _flat(q, order), _flat(k, order), _flat(v, order),
         _flat(out, order), lse, bounds, bounds, longest, longest, 0.0, True, no_dropout,
-        torch.empty(0, device=q.device), scale=scale)
+        torch.empty(0, device=q.device), scale=scale, **window_sizes(window))
     return tuple(_unflat(g, order, None, batch, length) for g in grads)

@@ -338,17 +338,24 @@ def linear_logprobs_backward(grad_log_probs, grad_entropy, hidden, weight, bias,
 # after another, and position_ids [B, L] restart at each: a document starts at a row's first token and wherever
 # a position is not the one before it plus 1. Query i attends key j when j ≤ i in the same document, as HF's mask
 # from position_ids says (masking_utils.find_packed_sequence_indices). Same layouts as the padded batch's.
+#
+# Under a sliding window of size w (Mistral's, Gemma-3's local layers; HF's sliding_window_overlay), query i also
+# needs i - j < w: it attends its w latest positions, itself included. None: no window.
 
 def _heads_major(x):
     """x [B, H, L, D] stored [B, L, H, D]: the layout every padded_attention implementation returns."""
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def padded_attends(keep):
-    """[B, 1, L, L] bool: query i attends key j (causal, both kept)."""
-    length = keep.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=keep.device).tril()
-    return causal & keep[:, None, None, :] & keep[:, None, :, None]
+def _causal(length, window, device):
+    """[L, L] bool: j ≤ i, and i - j < window where given."""
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return causal if window is None else causal.triu(1 - window)
+
+
+def padded_attends(keep, window=None):
+    """[B, 1, L, L] bool: query i attends key j (causal, within the window, both kept)."""
+    return _causal(keep.shape[1], window, keep.device) & keep[:, None, None, :] & keep[:, None, :, None]
 
 
 def document_starts(position_ids):
@@ -357,11 +364,10 @@ def document_starts(position_ids):
     return torch.cat([first, position_ids[:, 1:] != position_ids[:, :-1] + 1], dim=1)
 
 
-def packed_attends(position_ids):
-    """[B, 1, L, L] bool: query i attends key j (causal, one document)."""
+def packed_attends(position_ids, window=None):
+    """[B, 1, L, L] bool: query i attends key j (causal, within the window, one document)."""
     documents = document_starts(position_ids).cumsum(-1)
-    length = position_ids.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    causal = _causal(position_ids.shape[1], window, position_ids.device)
     return causal & (documents[:, None, :, None] == documents[:, None, None, :])
 
 
@@ -407,17 +413,17 @@ def _masked_attention_backward(grad_out, q, k, v, attends, scale):
             _heads_major(per_kv_head(dv).to(v.dtype)))
 
 
-def padded_attention(q, k, v, keep, scale):
-    return _masked_attention(q, k, v, padded_attends(keep), scale)
+def padded_attention(q, k, v, keep, scale, window=None):
+    return _masked_attention(q, k, v, padded_attends(keep, window), scale)
 
 
-def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
-    return _masked_attention_backward(grad_out, q, k, v, padded_attends(keep), scale)
+def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale, window=None):
+    return _masked_attention_backward(grad_out, q, k, v, padded_attends(keep, window), scale)
 
 
-def packed_attention(q, k, v, position_ids, scale):
-    return _masked_attention(q, k, v, packed_attends(position_ids), scale)
+def packed_attention(q, k, v, position_ids, scale, window=None):
+    return _masked_attention(q, k, v, packed_attends(position_ids, window), scale)
 
 
-def packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale):
-    return _masked_attention_backward(grad_out, q, k, v, packed_attends(position_ids), scale)
+def packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale, window=None):
+    return _masked_attention_backward(grad_out, q, k, v, packed_attends(position_ids, window), scale)

@@ -74,9 +74,9 @@ LORA_IN_ONE_DTYPE = ("cuBLAS matmuls of kernels/reference.py, all in {dtype} (ad
 ATTENTION_REFERENCE = "kernels/reference.py in fp32 math, the [L × L] scores materialized ({why})"
 
 
-def attention_variant(q, k, v, tokens):
+def attention_variant(q, k, v, tokens, window=None):
     """padded_attention's and packed_attention's text in the report when the flash kernels cannot take the inputs
-    (None when they can)."""
+    (None when they can). window: None where the op has none (_running_inputs passes only tensors and Nones)."""
     capability = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
     why = padded_attention.unsupported((q.dtype, k.dtype, v.dtype), (q.shape[-1], k.shape[-1], v.shape[-1]),
                                        capability)
@@ -251,32 +251,33 @@ def _linear_logprobs_backward(grad_log_probs, grad_entropy, hidden, weight, bias
                                                    chunk_rows, grad_hidden, grad_weight)
 
 
-def _padded_attention(q, k, v, keep, scale):
-    ops.check_padded_attention(q, k, v, keep)
+def _padded_attention(q, k, v, keep, scale, window=None):
+    ops.check_padded_attention(q, k, v, keep, window)
     if not padded_attention.supported(q, k, v):
-        return reference.padded_attention(q, k, v, keep, scale)
-    return padded_attention.padded_attention_forward(q, k, v, keep, scale)
+        return reference.padded_attention(q, k, v, keep, scale, window)
+    return padded_attention.padded_attention_forward(q, k, v, keep, scale, window)
 
 
-def _padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale):
-    ops.check_padded_attention(q, k, v, keep)
+def _padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale, window=None):
+    ops.check_padded_attention(q, k, v, keep, window)
     if not padded_attention.supported(q, k, v):
-        return reference.padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale)
-    return padded_attention.padded_attention_backward(grad_out.to(q.dtype), q, k, v, keep, out, lse, scale)
+        return reference.padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale, window)
+    return padded_attention.padded_attention_backward(grad_out.to(q.dtype), q, k, v, keep, out, lse, scale, window)
 
 
-def _packed_attention(q, k, v, position_ids, scale):
-    ops.check_packed_attention(q, k, v, position_ids)
+def _packed_attention(q, k, v, position_ids, scale, window=None):
+    ops.check_packed_attention(q, k, v, position_ids, window)
     if not padded_attention.supported(q, k, v):
-        return reference.packed_attention(q, k, v, position_ids, scale)
-    return packed_attention.packed_attention_forward(q, k, v, position_ids, scale)
+        return reference.packed_attention(q, k, v, position_ids, scale, window)
+    return packed_attention.packed_attention_forward(q, k, v, position_ids, scale, window)
 
 
-def _packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale):
-    ops.check_packed_attention(q, k, v, position_ids)
+def _packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale, window=None):
+    ops.check_packed_attention(q, k, v, position_ids, window)
     if not padded_attention.supported(q, k, v):
-        return reference.packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale)
-    return packed_attention.packed_attention_backward(grad_out.to(q.dtype), q, k, v, position_ids, out, lse, scale)
+        return reference.packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale, window)
+    return packed_attention.packed_attention_backward(grad_out.to(q.dtype), q, k, v, position_ids, out, lse, scale,
+                                                      window)
 
 
 def _lora_down(x, lora_a, dropout_mask=None, dropout_p=0.0):

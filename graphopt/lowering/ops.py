@@ -556,11 +556,13 @@ linear_logprobs.register_autograd(_linear_logprobs_grad, setup_context=_linear_l
 # --- padded_attention ---------------------------------------------------------------------------------------
 
 @torch.library.custom_op("graphopt::padded_attention", mutates_args=())
-def padded_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """(out, lse): causal attention of each row's kept tokens (keep [B, L] bool), 0 at padding queries; GQA when k
-    and v have fewer heads. The definition and layouts: kernels/reference.py."""
-    check_padded_attention(q, k, v, keep)
-    return reference.padded_attention(q, k, v, keep, scale)
+def padded_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float,
+                     window: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """(out, lse): causal attention of each row's kept tokens (keep [B, L] bool), 0 at padding queries, each query
+    within its `window` latest positions where given (a sliding window); GQA when k and v have fewer heads. The
+    definition and layouts: kernels/reference.py."""
+    check_padded_attention(q, k, v, keep, window)
+    return reference.padded_attention(q, k, v, keep, scale, window)
 
 
 def _attention_layout(x):
@@ -576,22 +578,22 @@ def _attention_outputs(q):
 
 
 @padded_attention.register_fake
-def _padded_attention_fake(q, k, v, keep, scale):
-    check_padded_attention(q, k, v, keep)
+def _padded_attention_fake(q, k, v, keep, scale, window=None):
+    check_padded_attention(q, k, v, keep, window)
     return _attention_outputs(q)
 
 
 @torch.library.custom_op("graphopt::padded_attention_backward", mutates_args=())
 def padded_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, keep: Tensor, out: Tensor,
-                              lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                              lse: Tensor, scale: float, window: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the forward's out and lse."""
-    check_padded_attention(q, k, v, keep)
-    return reference.padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale)
+    check_padded_attention(q, k, v, keep, window)
+    return reference.padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale, window)
 
 
 @padded_attention_backward.register_fake
-def _padded_attention_backward_fake(grad_out, q, k, v, keep, out, lse, scale):
-    check_padded_attention(q, k, v, keep)
+def _padded_attention_backward_fake(grad_out, q, k, v, keep, out, lse, scale, window=None):
+    check_padded_attention(q, k, v, keep, window)
     return _attention_layout(q), _attention_layout(k), _attention_layout(v)
 
 
@@ -604,26 +606,32 @@ def _check_attention(op, q, k, v):
                  lambda: f"{op}: k and v {tuple(k.shape)} must match q {tuple(q.shape)} but in heads, a divisor of q's")
 
 
-def check_padded_attention(q, k, v, keep):
+def _check_window(op, window):
+    torch._check(window is None or window >= 1, lambda: f"{op}: a sliding window of {window} positions must hold one")
+
+
+def check_padded_attention(q, k, v, keep, window=None):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
     _check_attention("padded_attention", q, k, v)
+    _check_window("padded_attention", window)
     torch._check(keep.dtype == torch.bool and keep.dim() == 2 and keep.shape[0] == q.shape[0]
                  and keep.shape[1] == q.shape[2],
                  lambda: f"padded_attention: keep {tuple(keep.shape)} {keep.dtype} must be bool [batch, length]")
 
 
 def _masked_attention_setup_context(ctx, inputs, output):
-    q, k, v, tokens, scale = inputs  # tokens: padded_attention's keep, packed_attention's position_ids
+    q, k, v, tokens, scale, window = inputs  # tokens: padded_attention's keep, packed_attention's position_ids
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, tokens, out, lse)
-    ctx.scale = scale
+    ctx.scale, ctx.window = scale, window
 
 
 def _padded_attention_grad(ctx, grad_out, _grad_lse):
     q, k, v, keep, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.graphopt.padded_attention_backward(grad_out, q, k, v, keep, out, lse, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = torch.ops.graphopt.padded_attention_backward(grad_out, q, k, v, keep, out, lse, ctx.scale,
+                                                              ctx.window)
+    return dq, dk, dv, None, None, None
 
 
 padded_attention.register_autograd(_padded_attention_grad, setup_context=_masked_attention_setup_context)
@@ -634,37 +642,40 @@ padded_attention.register_autograd(_padded_attention_grad, setup_context=_masked
 # Tagged cudagraph_unsafe: the CUDA kernels count the documents on the host, which a CUDA graph cannot replay, so
 # under CUDA graphs the op runs between the captured parts (Inductor's graph_partition).
 @torch.library.custom_op("graphopt::packed_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: float,
+                     window: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """(out, lse): causal attention within each document of a packed batch, the documents found from position_ids
-    [B, L] (one starts wherever a position is not the one before it plus 1); GQA when k and v have fewer heads. The
-    definition and layouts: kernels/reference.py."""
-    check_packed_attention(q, k, v, position_ids)
-    return reference.packed_attention(q, k, v, position_ids, scale)
+    [B, L] (one starts wherever a position is not the one before it plus 1), each query within its `window` latest
+    positions where given (a sliding window); GQA when k and v have fewer heads. The definition and layouts:
+    kernels/reference.py."""
+    check_packed_attention(q, k, v, position_ids, window)
+    return reference.packed_attention(q, k, v, position_ids, scale, window)
 
 
 @packed_attention.register_fake
-def _packed_attention_fake(q, k, v, position_ids, scale):
-    check_packed_attention(q, k, v, position_ids)
+def _packed_attention_fake(q, k, v, position_ids, scale, window=None):
+    check_packed_attention(q, k, v, position_ids, window)
     return _attention_outputs(q)
 
 
 @torch.library.custom_op("graphopt::packed_attention_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def packed_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, out: Tensor,
-                              lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                              lse: Tensor, scale: float, window: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the forward's out and lse."""
-    check_packed_attention(q, k, v, position_ids)
-    return reference.packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale)
+    check_packed_attention(q, k, v, position_ids, window)
+    return reference.packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, scale, window)
 
 
 @packed_attention_backward.register_fake
-def _packed_attention_backward_fake(grad_out, q, k, v, position_ids, out, lse, scale):
-    check_packed_attention(q, k, v, position_ids)
+def _packed_attention_backward_fake(grad_out, q, k, v, position_ids, out, lse, scale, window=None):
+    check_packed_attention(q, k, v, position_ids, window)
     return _attention_layout(q), _attention_layout(k), _attention_layout(v)
 
 
-def check_packed_attention(q, k, v, position_ids):
+def check_packed_attention(q, k, v, position_ids, window=None):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
     _check_attention("packed_attention", q, k, v)
+    _check_window("packed_attention", window)
     torch._check(not position_ids.is_floating_point() and position_ids.dtype != torch.bool
                  and position_ids.dim() == 2 and position_ids.shape[0] == q.shape[0]
                  and position_ids.shape[1] == q.shape[2],
@@ -674,8 +685,9 @@ def check_packed_attention(q, k, v, position_ids):
 
 def _packed_attention_grad(ctx, grad_out, _grad_lse):
     q, k, v, position_ids, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.graphopt.packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = torch.ops.graphopt.packed_attention_backward(grad_out, q, k, v, position_ids, out, lse, ctx.scale,
+                                                              ctx.window)
+    return dq, dk, dv, None, None, None
 
 
 packed_attention.register_autograd(_packed_attention_grad, setup_context=_masked_attention_setup_context)

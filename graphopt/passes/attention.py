@@ -31,6 +31,9 @@ and two more where the mask is causal over a padded or a packed batch:
                                                           and v unrepeated; on NVIDIA GPUs each document is one
                                                           sequence of the flash kernels.
 
+Under a sliding window (HF's `kv > q - window`, Mistral's, Qwen2's, Gemma-3's local layers) the padded and
+packed forms take it as the fused op's `window`; causal and a window alone stays SDPA (it takes no window).
+
 Masks are read symbolically first (_read_mask): HF builds them from index aranges broadcast over [batch, head,
 q, kv] and conjunctions of conditions on them, and a mask read as exactly "kv ≤ q" (and "attention_mask[b, kv]",
 or "one document") is that at every size, symbolic ones included. A mask that reading does not cover falls back
@@ -155,14 +158,23 @@ class _PerToken:
     "input" as given; "first" its first column; "before" that minus 1; "steps" torch.diff of the input with "before"
     prepended; "starts" steps ≠ 1, where a document starts; "documents" their running count along the row.
     as_bool: converted to bool (its nonzero entries); axis: the mask axis it is indexed along as [b, q] or [b, kv]
-    (None before)."""
+    (None before); offset: an integer added once it is indexed into place (a sliding window's q - window)."""
     input: Node
     stage: str = "input"
     as_bool: bool = False
     axis: object = None
+    offset: int = 0
 
     def then(self, stage):
         return _PerToken(self.input, stage)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """The condition q - kv < size (HF's sliding_window_overlay: kv > q - sliding_window), over the mask's indices
+    or (positions) over position_ids[b, ·]: each query attends its `size` latest keys, itself included."""
+    size: int
+    positions: bool = False
 
 
 @dataclass(frozen=True)
@@ -187,6 +199,36 @@ def _token_axis(index):
 def _same_input(a, b, stage, axes):
     return (isinstance(a, _PerToken) and isinstance(b, _PerToken) and a.input is b.input and a.stage == b.stage == stage
             and not a.as_bool and not b.as_bool and {a.axis, b.axis} == axes)
+
+
+def _shifted(x, by):
+    """x (an index or a per-token input, placed along a mask axis) plus the integer `by`; None for anything else."""
+    if isinstance(x, _Index) and x.axis is not None:
+        return _Index(x.size, x.offset + by, x.axis)
+    if isinstance(x, _PerToken) and x.axis is not None and x.stage == "input" and not x.as_bool:
+        return _PerToken(x.input, x.stage, x.as_bool, x.axis, x.offset + by)
+    return None
+
+
+def _key_vs_query(smaller, larger, strict):
+    """The term that `smaller < larger` (strict) or `smaller ≤ larger` is, where one side is the key's index (or
+    position) and the other the query's, each shifted by a constant: _CAUSAL or _POSITIONS_CAUSAL (kv ≤ q), a
+    _Window (q - kv < size); None for anything else."""
+    sides = (smaller, larger)
+    if {getattr(x, "axis", None) for x in sides} != {_QUERY, _KEY}:
+        return None
+    if all(isinstance(x, _Index) for x in sides):
+        positions = False
+    elif all(isinstance(x, _PerToken) and x.stage == "input" and not x.as_bool for x in sides) \
+            and smaller.input is larger.input:
+        positions = True
+    else:
+        return None
+    # smaller + its offset (<)≤ larger + its offset
+    reach = larger.offset - smaller.offset - (1 if strict else 0)
+    if smaller.axis == _KEY:  # kv ≤ q + reach
+        return (_POSITIONS_CAUSAL if positions else _CAUSAL) if reach == 0 else None
+    return _Window(reach + 1, positions) if reach >= 0 else None  # q - kv ≤ reach
 
 
 def _read_node(node: Node, read: dict):
@@ -222,6 +264,9 @@ def _read_node(node: Node, read: dict):
     elif is_call(node, operator.add, torch.add) and isinstance(args[0], _Index) and args[0].axis is None \
             and isinstance(args[1], int):
         return _Index(args[0].size, args[0].offset + args[1])
+    elif is_call(node, operator.add, torch.add, operator.sub, torch.sub) and isinstance(args[1], int) \
+            and _shifted(args[0], 0) is not None:
+        return _shifted(args[0], args[1] if target in (operator.add, torch.add) else -args[1])
     elif is_call(node, operator.getitem) and isinstance(args[0], _Index) and isinstance(args[1], tuple) \
             and len(args[1]) == 4 and args[1].count(None) == 3 and args[1].count(slice(None)) == 1:
         return _Index(args[0].size, args[0].offset, args[1].index(slice(None)))
@@ -249,12 +294,11 @@ def _read_node(node: Node, read: dict):
             and isinstance(args[0], _PerToken) and args[0].stage == "starts" \
             and (args[1] if len(args) > 1 else kwargs.get("dim")) in last_dim and "dtype" not in kwargs:
         return args[0].then("documents")
-    elif is_call(node, operator.le, operator.ge, torch.le, torch.ge):
-        smaller, larger = args[:2] if target in (operator.le, torch.le) else args[1::-1]
-        if _placed(smaller, _KEY) and _placed(larger, _QUERY):
-            return _Condition(frozenset([_CAUSAL]))
-        if _same_input(smaller, larger, "input", {_KEY, _QUERY}) and smaller.axis == _KEY:
-            return _Condition(frozenset([_POSITIONS_CAUSAL]))  # HF ≥ 5.24: causal over positions
+    elif is_call(node, operator.le, operator.ge, operator.lt, operator.gt, torch.le, torch.ge, torch.lt, torch.gt):
+        smaller, larger = args[:2] if target in (operator.le, torch.le, operator.lt, torch.lt) else args[1::-1]
+        term = _key_vs_query(smaller, larger, strict=target in (operator.lt, operator.gt, torch.lt, torch.gt))
+        if term is not None:  # HF ≥ 5.24 compares positions where it packs documents
+            return _Condition(frozenset([term]))
     elif is_call(node, operator.eq, torch.eq) and _same_input(args[0], args[1], "documents", {_QUERY, _KEY}):
         return _Condition(frozenset([_SAME_DOCUMENT]))
     elif is_call(node, operator.and_, torch.logical_and, torch.bitwise_and) \
@@ -293,12 +337,14 @@ def _read_mask(args: dict):
 
 
 def _mask_kind(args: dict):
-    """("causal", None), ("padded", the attention_mask input) or ("packed", the position_ids input) where the mask
-    is proven so; Miss otherwise.
+    """(kind, the 2-D input, window) where the mask is proven so; Miss otherwise. kind: "causal" (no input),
+    "padded" (the attention_mask input) or "packed" (the position_ids input); window: the sliding window's size, or
+    None.
 
     Packed: within one document positions go up by 1 a token (that is where _PerToken's documents break), so
-    "position_ids[b, kv] ≤ position_ids[b, q]" is "kv ≤ q" there, and a document is one run of tokens (its number
-    is a running count of starts): the mask is causal attention within each run, packed_attention's definition."""
+    "position_ids[b, kv] ≤ position_ids[b, q]" is "kv ≤ q" there (and a window over positions one over indices),
+    and a document is one run of tokens (its number is a running count of starts): the mask is causal attention
+    within each run, packed_attention's definition."""
     if args.get("is_causal", False):
         raise Miss("both a mask and is_causal are given")
     if not isinstance(args["attn_mask"], Node):
@@ -309,16 +355,24 @@ def _mask_kind(args: dict):
         if free_symbols(value(args["attn_mask"])) or free_symbols(value(args["query"])):
             raise Miss(f"{unread}; with symbolic sizes (dynamic shapes) evaluating it proves nothing") from None
         _check_causal(args)  # the mask as it evaluates at these sizes
-        return "causal", None
-    if terms == {_CAUSAL}:
-        return "causal", None
-    if terms == {_CAUSAL, _KEEP} and tokens is not None:
-        return "padded", tokens
+        return "causal", None, None
+    windows = {t for t in terms if isinstance(t, _Window)}
+    terms -= windows
+    window = min(w.size for w in windows) if windows else None  # two windows: the narrower holds both
+    if window is not None and statically_known_true(value(args["query"]).shape[-2] <= window):
+        window = None  # as wide as the sequence: it excludes nothing
+    if terms == {_CAUSAL} and window is None:
+        return "causal", None, None
+    if terms == {_CAUSAL, _KEEP} and tokens is not None and not any(w.positions for w in windows):
+        return "padded", tokens, window
     if terms in ({_CAUSAL, _SAME_DOCUMENT}, {_POSITIONS_CAUSAL, _SAME_DOCUMENT}) and tokens is not None:
-        return "packed", tokens
+        return "packed", tokens, window
+    if terms == {_CAUSAL} and window is not None:
+        raise Miss(f"a sliding window ({window} tokens) over an unpadded batch: SDPA takes no window, and the fused "
+                   f"ops fuse it where the batch comes with an attention_mask or position_ids")
     raise Miss("the mask is not the causal lower triangle (padding, a sliding window or a prefix)"
                if not {_CAUSAL, _POSITIONS_CAUSAL} & terms else
-               f"the mask adds conditions to causal that graphopt does not fuse ({', '.join(sorted(terms))})")
+               f"the mask adds conditions to causal that graphopt does not fuse ({', '.join(sorted(map(str, terms)))})")
 
 
 def _repeated(node: Node):
@@ -396,15 +450,15 @@ def rewrite_attention(gm: GraphModule, report) -> int:
                     kinds[key] = _mask_kind(args)
                 except Miss as miss:
                     kinds[key] = str(miss)
-            if kinds[key] == ("causal", None):
+            if kinds[key] == ("causal", None, None):
                 dropped.append(mask)
                 args["attn_mask"], args["is_causal"] = None, True
                 report.fusions.append(record_for(sdpa, "attention_causal"))
                 rewritten += 1
             elif isinstance(kinds[key], tuple):
-                kind, per_token = kinds[key]
+                kind, per_token, window = kinds[key]
                 try:
-                    _masked_attention(sdpa, args, kind, per_token, tokens)
+                    _masked_attention(sdpa, args, kind, per_token, window, tokens)
                     report.fusions.append(record_for(sdpa, f"attention_{kind}"))
                     rewritten += 1
                     continue
@@ -430,9 +484,10 @@ def rewrite_attention(gm: GraphModule, report) -> int:
     return rewritten
 
 
-def _masked_attention(sdpa: Node, args: dict, kind: str, per_token: Node, tokens: dict) -> None:
+def _masked_attention(sdpa: Node, args: dict, kind: str, per_token: Node, window, tokens: dict) -> None:
     """Replace sdpa by graphopt::padded_attention (kind "padded": its mask is causal & (attention_mask != 0)) or
-    graphopt::packed_attention ("packed": causal within the documents of position_ids), of unrepeated k and v."""
+    graphopt::packed_attention ("packed": causal within the documents of position_ids), of unrepeated k and v,
+    within a sliding window where window is not None."""
     query, key, val = args["query"], args["key"], args["value"]
     if value(args.get("dropout_p", 0.0)) != 0:
         raise Miss("attention dropout: the fused op has none")
@@ -451,9 +506,9 @@ def _masked_attention(sdpa: Node, args: dict, kind: str, per_token: Node, tokens
     op = getattr(torch.ops.graphopt, f"{kind}_attention").default
     per_token = _on_device(per_token, kind == "padded", q.device, tokens)
     with graph.inserting_before(sdpa):
-        fused = graph.call_function(op, (query, key, val, per_token, scale))
+        fused = graph.call_function(op, (query, key, val, per_token, scale, window))
         out = graph.call_function(operator.getitem, (fused, 0))
-    outputs = op(value(query), value(key), value(val), value(per_token), value(scale))
+    outputs = op(value(query), value(key), value(val), value(per_token), value(scale), window)
     fused.meta = dict(sdpa.meta, example_value=outputs)
     out.meta = dict(sdpa.meta, example_value=outputs[0])
     sdpa.replace_all_uses_with(out)

@@ -331,17 +331,22 @@ def _linear_logprobs_backward_flops(grad_log_probs_shape, grad_entropy_shape, hi
     return 2 * rows * vocab * hidden * (1 + grad_hidden + grad_weight)  # the logits again, then each gradient
 
 
-# Attention over a padded or packed batch: QKᵀ and PV, causal (half of each), counted over the whole row (an upper
-# bound: the kernels skip the padding and the other documents, which the shapes do not show).
+# Attention over a padded or packed batch: QKᵀ and PV over the pairs a query attends, causal (about half the row),
+# within the sliding window where there is one, counted over the whole row (an upper bound: the kernels skip the
+# padding and the other documents, which the shapes do not show).
 @register_flop_formula([torch.ops.graphopt.padded_attention, torch.ops.graphopt.packed_attention])
-def _masked_attention_flops(q_shape, *args, **kwargs):
+def _masked_attention_flops(q_shape, k_shape=None, v_shape=None, tokens_shape=None, scale=None, window=None, **kwargs):
     batch, heads, length, dim = q_shape
-    return 2 * batch * heads * length * length * dim
+    reach = length if window is None else min(window, length)
+    pairs = length * reach - reach * reach // 2
+    return 4 * batch * heads * pairs * dim
 
 
 @register_flop_formula([torch.ops.graphopt.padded_attention_backward, torch.ops.graphopt.packed_attention_backward])
-def _masked_attention_backward_flops(grad_out_shape, q_shape, *args, **kwargs):
-    return 5 * _masked_attention_flops(q_shape) // 2  # dV, dP, dQ, dK and the recomputed scores: 2.5× the forward
+def _masked_attention_backward_flops(grad_out_shape, q_shape, k_shape, v_shape, tokens_shape, out_shape, lse_shape,
+                                     scale, window=None, **kwargs):
+    # dV, dP, dQ, dK and the recomputed scores: 2.5× the forward
+    return 5 * _masked_attention_flops(q_shape, window=window) // 2
 
 
 # torch before 2.13 counts SDPA's FLOPs only when k and v have q's number of heads: under GQA (enable_gqa, which
