@@ -106,17 +106,6 @@ def padding_only(q, k, v, pad):  # an encoder's mask: every kept key, before and
     return SDPA(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=pad[:, None, None, :].bool())
 
 
-def test_causal_padding_mask_becomes_padded_attention():
-    args = qkv(2, 8, 2, 16, 8, torch.float32)
-    pad = torch.ones(2, 16)
-    pad[1, 11:] = 0
-    gm, inputs, expected, report, rewritten = run_pass(rewrite_attention, padded_attention, *args, pad)
-    assert [r.pattern for r in report.fusions] == ["attention_padded"] and not report.misses
-    assert not sdpa_nodes(gm)
-    kept = pad.bool()[:, None, :, None]
-    assert relative_error(first_output(gm, inputs) * kept, expected * kept) <= 1e-6
-
-
 def hf_window(q, k, size):  # HF's sliding_window_overlay over indices: kv > q - size
     kv_idx = (torch.arange(k.shape[-2]) + 0)[None, None, None, :]
     q_idx = (torch.arange(q.shape[-2]) + 0)[None, None, :, None]
@@ -128,14 +117,17 @@ def padded_window_attention(q, k, v, pad):  # Mistral's padded mask: window, cau
     return SDPA(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask)
 
 
-def test_a_sliding_window_over_padding_becomes_windowed_padded_attention():
+@pytest.mark.parametrize("fn, window", [(padded_attention, None), (padded_window_attention, 5)],
+                         ids=["causal", "sliding_window"])
+def test_causal_padding_mask_becomes_padded_attention(fn, window):
     args = qkv(2, 8, 2, 16, 8, torch.float32)
     pad = torch.ones(2, 16)
     pad[1, 11:] = 0
-    gm, inputs, expected, report, rewritten = run_pass(rewrite_attention, padded_window_attention, *args, pad)
+    gm, inputs, expected, report, rewritten = run_pass(rewrite_attention, fn, *args, pad)
     assert [r.pattern for r in report.fusions] == ["attention_padded"] and not report.misses
+    assert not sdpa_nodes(gm)
     (fused,) = [n for n in gm.graph.nodes if n.target is torch.ops.graphopt.padded_attention.default]
-    assert fused.args[5] == 5
+    assert fused.args[5] == window
     kept = pad.bool()[:, None, :, None]
     assert relative_error(first_output(gm, inputs) * kept, expected * kept) <= 1e-6
 

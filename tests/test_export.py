@@ -67,8 +67,7 @@ def test_the_torch_export_runs_as_eager_at_any_batch_and_length(arch, tmp_path):
     summary = plan.summary()
     assert summary["rms_norm"] == rms_norm_modules(model)
     assert summary["lora"] == len(adapted_layers(model))
-    if arch != "mistral":  # Mistral's sliding-window mask is not causal attention: never fused
-        assert summary["attention_padded"] == COMMON["num_hidden_layers"]
+    assert summary["attention_padded"] == COMMON["num_hidden_layers"]
     described = json.loads((tmp_path / "export.json").read_text())
     assert (described["graphopt_ops"]["graphopt.lora_linear.default"] == summary["lora"]
             == described["graphopt_ops"]["graphopt.lora_down.default"])
