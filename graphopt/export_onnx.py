@@ -1,4 +1,4 @@
-"""graphopt's inference ops in ONNX: the com.graphopt domain, version 2 (docs/export.md documents each schema).
+"""graphopt's inference ops in ONNX: the com.graphopt domain, version 3 (docs/export.md documents each schema).
 
 Each op is one node of that domain, its schema registered with onnx (onnx.defs), so onnx.checker checks every use
 and a runtime that implements the domain runs the fused op; the node's semantics are the op's reference
