@@ -202,8 +202,8 @@ def _same_input(a, b, stage, axes):
 
 
 def _shifted(x, by):
-    """x (an index or a per-token input, placed along a mask axis) plus the integer `by`; None for anything else."""
-    if isinstance(x, _Index) and x.axis is not None:
+    """x (an index, or a per-token input placed along a mask axis) plus the integer `by`; None for anything else."""
+    if isinstance(x, _Index):
         return _Index(x.size, x.offset + by, x.axis)
     if isinstance(x, _PerToken) and x.axis is not None and x.stage == "input" and not x.as_bool:
         return _PerToken(x.input, x.stage, x.as_bool, x.axis, x.offset + by)
@@ -261,9 +261,6 @@ def _read_node(node: Node, read: dict):
         return _Condition(frozenset())
     elif is_call(node, torch.arange) and len(args) == 1 and not {"start", "step", "end"} & kwargs.keys():
         return _Index(args[0])
-    elif is_call(node, operator.add, torch.add) and isinstance(args[0], _Index) and args[0].axis is None \
-            and isinstance(args[1], int):
-        return _Index(args[0].size, args[0].offset + args[1])
     elif is_call(node, operator.add, torch.add, operator.sub, torch.sub) and isinstance(args[1], int) \
             and _shifted(args[0], 0) is not None:
         return _shifted(args[0], args[1] if target in (operator.add, torch.add) else -args[1])
