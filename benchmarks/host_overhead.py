@@ -3,11 +3,18 @@ Triton launch stubbed out and the tensors tiny, so that nothing but graphopt's P
 this on hosts whose CPU launches kernels slower than the GPU runs them (benchmarks/RESULTS.md).
 
     python benchmarks/host_overhead.py            (on any machine: no GPU needed)
+    python benchmarks/host_overhead.py --gpu      (on a GPU: each op called three ways, launches real)
 
 Each launch function takes the NVIDIA path (launch settings, precision choices) on fp32 CPU tensors. The base
 matmuls (cuBLAS on the GPU) run on the CPU here: their time is measured alone and subtracted.
+
+--gpu: the ops as a compiled graph calls them, on tensors so small (64 tokens) that the GPU waits for the host,
+each called as the custom op (torch.ops.graphopt: custom_op's autograd layer, redispatch and aliasing check),
+as the direct op compiled graphs call (torch.ops.graphopt_cuda, lowering/direct.py), and as the bare kernel
+function of lowering/cuda.py; wall time per call, under no_grad as in a compiled graph.
 """
 
+import sys
 import time
 
 import torch
@@ -25,10 +32,53 @@ def per_call_us(fn, calls=3000):
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def gpu():
+    from graphopt.lowering import cuda
+
+    tokens, hidden, out, rank = 64, 2048, 2048, 16
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(out, hidden, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(rank, hidden, device="cuda")
+    b = torch.randn(out, rank, device="cuda")
+    g = torch.randn(tokens, out, device="cuda", dtype=torch.bfloat16)
+    xa = x.float() @ a.t()
+    q = torch.randn(1, 32, tokens, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, tokens, 64, device="cuda", dtype=torch.bfloat16)
+    cos, sin = torch.randn(1, tokens, 64, device="cuda"), torch.randn(1, tokens, 64, device="cuda")
+    calls = {
+        "lora_down": (x, a),
+        "lora_linear": (x, w, None, a, b, xa, 2.0, torch.bfloat16),
+        "lora_linear_backward": (g, x, xa, w, a, b, 2.0),
+        "rope": (q, k, cos, sin),
+    }
+
+    def timed(fn, args, calls=2000):
+        for _ in range(100):
+            fn(*args)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(*args)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {tokens} tokens, wall µs per call\n")
+    print("| op | custom op (graphopt::) | direct op (graphopt_cuda::) | kernel function |\n| --- | ---: | ---: | ---: |")
+    with torch.no_grad():
+        for name, args in calls.items():
+            op = getattr(torch.ops.graphopt, name).default
+            direct = getattr(torch.ops.graphopt_cuda, name).default
+            print(f"| {name} | {timed(op, args):.1f} | {timed(direct, args):.1f} | "
+                  f"{timed(cuda.KERNELS[op], args):.1f} |")
+
+
 def main():
+    if "--gpu" in sys.argv:
+        return gpu()
     JITFunction.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)  # every launch: a no-op
     layout.platform = lambda t: "cuda"
     layout.multiprocessors = lambda device: 132  # the H200's
+    torch.cuda.is_current_stream_capturing = lambda: False  # launched as the step runs, not into a CUDA graph
     dtype = torch.float32  # the base matmuls are timed too: fp32 keeps them short on the CPU
     x, w = torch.randn(8, 32, dtype=dtype), torch.randn(48, 32, dtype=dtype)
     a, b, g = torch.randn(16, 32), torch.randn(48, 16), torch.randn(8, 48, dtype=dtype)

@@ -31,6 +31,7 @@ from graphopt import distributed, plan_dir
 from graphopt.devices import resolve_target
 from graphopt.logits import hand_back
 from graphopt.lowering import registry as lowering_registry
+from graphopt.lowering.direct import DirectCalls
 from graphopt.options import Options, check_cuda_graphs, cuda_graphs_decision
 from graphopt.passes.checkpoint import checkpointing_as_plan, inline_checkpoints
 from graphopt.passes.describe import graph_inputs
@@ -128,6 +129,8 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
         decompositions = lowering_registry.InductorDecompositions(lowering.target)
         # As config_patches, not a config.patch block: they must also reach the backward, compiled at its first run.
         settings = dict(custom_partitioner_fn=partitioner)
+        if lowering.direct_calls:  # after the partition, the ops called without custom_op's layers
+            settings["post_grad_custom_post_pass"] = DirectCalls(lowering.direct_calls)
         # With fallback_random the random ops (fused LoRA dropout's bernoulli_) call torch's generator in the order
         # they run. Inductor's peak-memory reordering sees no dependency between independent draws and may move one
         # past another (pytorch/pytorch#192635): each mask is then another's, eager's stream no longer reproduced.

@@ -187,23 +187,23 @@ def test_a_config_too_large_for_shared_memory_shrinks_until_it_fits(monkeypatch)
 
     monkeypatch.setattr(lora, "_FITTED", {})
     tuned = dict(lora.CONFIGS["cuda"]["project"])
-    assert lora._fitting("kernel", "project", "cuda", ("key",), launch_wanting(100_000)) == "launched"
+    assert lora._fitting("project", "cuda", ("key",), launch_wanting(100_000)) == "launched"
     assert tried == [(4, 64, 128), (2, 64, 128)]  # 400,000 bytes wanted: 2 of 4 stages fit, none tried between
     tried.clear()
-    assert lora._fitting("kernel", "project", "cuda", ("larger",), launch_wanting(300_000)) == "launched"
+    assert lora._fitting("project", "cuda", ("larger",), launch_wanting(300_000)) == "launched"
     assert tried == [(4, 64, 128), (1, 64, 128), (1, 64, 64)]  # one stage too large: BLOCK_K halved
     tried.clear()
-    lora._fitting("kernel", "project", "cuda", ("larger",), launch_wanting(300_000))
+    lora._fitting("project", "cuda", ("larger",), launch_wanting(300_000))
     assert tried == [(1, 64, 64)]  # remembered
     tried.clear()
-    lora._fitting("kernel", "project", "cuda", ("other key",), launch_wanting(1))
+    lora._fitting("project", "cuda", ("other key",), launch_wanting(1))
     assert tried == [(4, 64, 128)] and lora.CONFIGS["cuda"]["project"] == tuned
 
     def never_fits(config):
         raise OutOfResources(300_000, 232_448, "shared memory")
 
     with pytest.raises(OutOfResources):
-        lora._fitting("kernel", "project", "cuda", ("never",), never_fits)
+        lora._fitting("project", "cuda", ("never",), never_fits)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="shared memory is a GPU's limit; the interpreter has none")
@@ -254,7 +254,9 @@ def test_backward_is_four_triton_launches(monkeypatch):
 def test_projections_split_over_columns_add_up_to_the_product(monkeypatch, fill):
     """A launch of fewer row blocks than the GPU has multiprocessors splits the projections' columns (CONFIGS'
     FILL: programs wanted a multiprocessor): each split's partial product, then one launch that sums them in a
-    fixed order; the forward and every gradient stay within fp64's bounds. FILL 0: one launch, no sum."""
+    fixed order; the forward and every gradient stay within fp64's bounds. FILL 0: one launch, no sum. On a GPU
+    the columns split only while a CUDA graph records the launches (else each split's sum is a launch the host
+    pays for): the test stands in for a capture."""
     from graphopt.kernels import layout, lora
 
     platform = "cuda" if DEVICE == "cuda" else "cpu"
@@ -266,6 +268,8 @@ def test_projections_split_over_columns_add_up_to_the_product(monkeypatch, fill)
     monkeypatch.setitem(lora.CONFIGS[platform], "project", config)
     monkeypatch.setattr(lora, "_FITTED", {})
     monkeypatch.setattr(layout, "multiprocessors", lambda device: 1)  # the interpreter's count, on CUDA too
+    if DEVICE == "cuda":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     g = torch.Generator().manual_seed(1)
     dtype = KERNEL_DTYPES[-1]
     x, grad = torch.randn(50, 100, generator=g).to(DEVICE, dtype), torch.randn(50, 70, generator=g).to(DEVICE, dtype)
@@ -275,6 +279,11 @@ def test_projections_split_over_columns_add_up_to_the_product(monkeypatch, fill)
     # 50 rows are 2 blocks of 32. FILL 12 wants 6 splits of the forward's 100 columns (4 of 32 columns leave
     # none empty) and of dY·B's 70 (5 of 16), each then summed; dA's and dB's sum runs either way
     assert launched.count("_sum_splits_kernel") == (3 if fill else 1), launched
+    if DEVICE == "cuda":  # no capture: one launch a projection, whatever FILL asks
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        launched.clear()
+        assert_kernels_match_fp64(x, grad, weight, None, a, b, 2.0)
+        assert launched.count("_sum_splits_kernel") == 1, launched
 
 
 def test_trainable_base_weight_is_a_clear_error():

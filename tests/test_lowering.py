@@ -9,6 +9,7 @@ import torch
 import graphopt
 from graphopt.lowering import registry
 from graphs import relative_error
+from models import adapted_layers, tiny_lora_model
 from test_fuse_rmsnorm import GemmaStyle, LlamaStyle, Stack
 
 
@@ -134,3 +135,27 @@ def test_expandable_segments_are_turned_on_at_import_and_the_report_says_what_wa
     cuda.expandable_segments_on_import()
     assert settings == ["expandable_segments:True"]
     assert cuda.prefer_expandable_segments() == "CUDA allocator: as PYTORCH_ALLOC_CONF=expandable_segments:False sets it"
+
+
+def test_compiled_graphs_call_the_ops_without_custom_op_layers():
+    """After the partition, Inductor's graphs call each opaque graphopt op as the target's direct op
+    (lowering/direct.py): same kernel, same numbers, no custom_op autograd layer."""
+    model = tiny_lora_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="graphopt")
+    compiled(input_ids=ids, labels=ids).loss.backward()  # compiled: tracing calls the graphopt ops on fakes
+    model.zero_grad()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    names = {event.name for event in profile.events()}
+    layers = len(adapted_layers(model))
+    for op in ("lora_down", "lora_linear", "lora_linear_backward", "linear_cross_entropy"):
+        assert f"graphopt_cpu::{op}" in names and f"graphopt::{op}" not in names, op
+    assert sum(e.name == "graphopt_cpu::lora_linear" for e in profile.events()) == layers
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    expected = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(relative_error(g, e) <= 1e-5 for g, e in zip(grads, expected))
+

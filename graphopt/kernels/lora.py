@@ -218,17 +218,19 @@ CONFIGS = {
 }
 
 
-# (kernel, platform, the dtypes, BLOCK_R, device) → the config launched instead of CONFIGS', which needed more
+# (kernel's CONFIGS name, platform, the dtypes, BLOCK_R, device) → the config launched instead of CONFIGS', which needed more
 # shared memory than the GPU has: at large ranks, and with fp32 inputs, where every tile is twice as large. Whoever
 # changes CONFIGS at run time (benchmarks/lora_configs.py) clears it.
 _FITTED = {}
 
 
-def _fitting(kernel, name, platform, key, launch_with):
+def _fitting(name, platform, key, launch_with):
     """launch_with(config) under CONFIGS[platform][name], or, where Triton finds that the kernel so compiled needs
     more shared memory than the GPU has, under the first smaller config that fits (_smaller). Triton raises that
     at the launch, before anything runs; the config that fit is remembered."""
-    key = (kernel, platform) + key  # built at every launch: no more than what tells the fits apart
+    # built at every launch: no more than what tells the fits apart, and the kernel by its name (a JITFunction
+    # hashes its source at every call)
+    key = (name, platform) + key
     config = _FITTED.get(key) or CONFIGS[platform][name]
     while True:
         try:
@@ -267,9 +269,14 @@ def _column_splits(config, programs, widest, device, platform):
     config["FILL"] programs a multiprocessor (a program streams its rows' columns with as many loads in flight
     as its tiles and stages hold, so a launch of fewer programs than multiprocessors leaves bandwidth unused), at
     most one a BLOCK_K of the widest input. FILL 0 (or none): one split. The interpreter counts one
-    multiprocessor."""
+    multiprocessor.
+
+    One split too where the host launches each kernel as the step runs (a GPU stream not being captured into a
+    CUDA graph): a split adds a launch to sum the partial products, about 25 µs of the host's time, as long as the
+    projection takes on the GPU, in a step whose pace the host sets (under dynamic shapes: benchmarks/RESULTS.md,
+    SFT X). A CUDA graph replays its launches at no cost to the host, and there the split pays."""
     fill = config.get("FILL", 0)
-    if not fill:
+    if not fill or (platform != "cpu" and not torch.cuda.is_current_stream_capturing()):
         return 1
     wanted = fill * (1 if platform == "cpu" else layout.multiprocessors(device))
     return max(1, min(wanted // max(programs, 1), layout.cdiv(widest, config["BLOCK_K"])))
@@ -313,7 +320,7 @@ def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
             PRECISION=PRECISION[platform], SPLIT_BF16=_split_bf16(x_rows, platform), **_launch_options(config))
         return partial, splits
 
-    partial, splits = _fitting(_project_kernel, "project", platform, (x_rows.dtype, block_r, x_rows.device), launch)
+    partial, splits = _fitting("project", platform, (x_rows.dtype, block_r, x_rows.device), launch)
     if splits == 1:
         return partial[0]
     out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
@@ -348,7 +355,7 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa, scale_b):
         return partial, splits
 
     key = (rows.dtype, grad.dtype, block_r, rows.device)
-    partial, splits = _fitting(_reduce_rows_pair_kernel, "reduce_rows", platform, key, launch)
+    partial, splits = _fitting("reduce_rows", platform, key, launch)
     # two tensors, not views of one buffer: a custom op's outputs may not alias each other
     grad_a = torch.empty((rank, n_in), dtype=torch.float32, device=rows.device)
     grad_b = torch.empty((n_out, rank), dtype=torch.float32, device=rows.device)
@@ -372,7 +379,7 @@ def _add_low_rank(xa, weight, stride_wn, stride_wr, scale, out_dtype, n_cols, bi
             SPLIT_BF16=out_dtype == torch.bfloat16 and platform != "cpu", **config)
 
     key = (None if base is None else base.dtype, out_dtype, block_r, xa.device)
-    _fitting(_add_low_rank_kernel, "add_low_rank", platform, key, launch)
+    _fitting("add_low_rank", platform, key, launch)
     return out
 
 

@@ -4,7 +4,7 @@ linear_cross_entropy and linear_logprobs stay opaque (below)."""
 
 import torch
 
-from graphopt.lowering import ops  # noqa: F401  (defines torch.ops.graphopt.*)
+from graphopt.lowering import direct, ops
 from graphopt.kernels import masked_attention_cpu, reference
 
 # lora_linear stays one opaque op: decomposed, Inductor's partitioner chose to save the adapter-dtype (fp32)
@@ -56,3 +56,10 @@ IMPLEMENTATIONS = {op: _DECOMPOSED for op in _REFERENCES} | {op: _FLASH for op i
 } | {torch.ops.graphopt.linear_cross_entropy.default: LINEAR_CE_OPAQUE,
      torch.ops.graphopt.linear_logprobs.default: LINEAR_LOGPROBS_OPAQUE,
      torch.ops.graphopt.linear_logprobs_backward.default: LINEAR_LOGPROBS_BACKWARD_OPAQUE}
+
+
+def direct_calls() -> dict:
+    """The direct calls of compiled graphs (lowering/direct.py) for the ops that stay opaque: each op's own body
+    (its check and kernels/reference.py), which custom_op keeps as the function it was defined from."""
+    opaque = [op for op in ops.ALL_OPS if op not in DECOMPOSITIONS]
+    return direct.define("cpu", "CPU", {op: getattr(ops, op._schema.name.split("::")[1])._init_fn for op in opaque})

@@ -9,7 +9,7 @@ import os
 import torch
 from torch._inductor import config as inductor_config, ir, memory
 
-from graphopt.lowering import ops
+from graphopt.lowering import direct, ops
 from graphopt.passes.match import value
 from graphopt.kernels import (cross_entropy, dequantize_4bit, gated_activation, linear_logprobs, lora,
                               packed_attention, padded_attention, reference, rmsnorm, rope)
@@ -387,22 +387,31 @@ def prefer_expandable_segments():
     return note
 
 
-def register() -> None:
-    torch.library.register_kernel("graphopt::rms_norm", "cuda", _rms_norm)
-    torch.library.register_kernel("graphopt::rms_norm_backward", "cuda", _rms_norm_backward)
-    torch.library.register_kernel("graphopt::gated_activation", "cuda", _gated_activation)
-    torch.library.register_kernel("graphopt::gated_activation_backward", "cuda", _gated_activation_backward)
-    torch.library.register_kernel("graphopt::linear_cross_entropy", "cuda", _linear_cross_entropy)
-    torch.library.register_kernel("graphopt::linear_logprobs", "cuda", _linear_logprobs)
-    torch.library.register_kernel("graphopt::linear_logprobs_backward", "cuda", _linear_logprobs_backward)
-    torch.library.register_kernel("graphopt::lora_down", "cuda", _lora_down)
-    torch.library.register_kernel("graphopt::lora_linear", "cuda", _lora_linear)
-    torch.library.register_kernel("graphopt::lora_linear_backward", "cuda", _lora_linear_backward)
-    torch.library.register_kernel("graphopt::lora_linear_4bit", "cuda", _lora_linear_4bit)
-    torch.library.register_kernel("graphopt::lora_linear_4bit_backward", "cuda", _lora_linear_4bit_backward)
-    torch.library.register_kernel("graphopt::padded_attention", "cuda", _padded_attention)
-    torch.library.register_kernel("graphopt::padded_attention_backward", "cuda", _padded_attention_backward)
-    torch.library.register_kernel("graphopt::packed_attention", "cuda", _packed_attention)
-    torch.library.register_kernel("graphopt::packed_attention_backward", "cuda", _packed_attention_backward)
-    torch.library.register_kernel("graphopt::rope", "cuda", _rope)
-    torch.library.register_kernel("graphopt::rope_backward", "cuda", _rope_backward)
+KERNELS = {
+    torch.ops.graphopt.rms_norm.default: _rms_norm,
+    torch.ops.graphopt.rms_norm_backward.default: _rms_norm_backward,
+    torch.ops.graphopt.gated_activation.default: _gated_activation,
+    torch.ops.graphopt.gated_activation_backward.default: _gated_activation_backward,
+    torch.ops.graphopt.linear_cross_entropy.default: _linear_cross_entropy,
+    torch.ops.graphopt.linear_logprobs.default: _linear_logprobs,
+    torch.ops.graphopt.linear_logprobs_backward.default: _linear_logprobs_backward,
+    torch.ops.graphopt.lora_down.default: _lora_down,
+    torch.ops.graphopt.lora_linear.default: _lora_linear,
+    torch.ops.graphopt.lora_linear_backward.default: _lora_linear_backward,
+    torch.ops.graphopt.lora_linear_4bit.default: _lora_linear_4bit,
+    torch.ops.graphopt.lora_linear_4bit_backward.default: _lora_linear_4bit_backward,
+    torch.ops.graphopt.padded_attention.default: _padded_attention,
+    torch.ops.graphopt.padded_attention_backward.default: _padded_attention_backward,
+    torch.ops.graphopt.packed_attention.default: _packed_attention,
+    torch.ops.graphopt.packed_attention_backward.default: _packed_attention_backward,
+    torch.ops.graphopt.rope.default: _rope,
+    torch.ops.graphopt.rope_backward.default: _rope_backward,
+}
+
+
+def register() -> dict:
+    """The kernels registered for the "cuda" device type (eager calls, and anything run outside Inductor), and the
+    direct calls of compiled graphs (lowering/direct.py), returned: the ops not decomposed, by the same kernels."""
+    for op, kernel in KERNELS.items():
+        torch.library.register_kernel(op._schema.name, "cuda", kernel)
+    return direct.define("cuda", "CUDA", {op: k for op, k in KERNELS.items() if op not in DECOMPOSITIONS})

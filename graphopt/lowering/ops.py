@@ -14,6 +14,13 @@ from graphopt.kernels import reference
 from graphopt.lowering import transfer
 
 
+def _check(cond, message) -> None:
+    """torch._check, returning at once for a plain True: the target kernels check the contract at every call, and
+    torch._check's symbolic path costs microseconds a condition in a step the host paces under dynamic shapes."""
+    if cond is not True:
+        torch._check(cond, message)
+
+
 # --- rms_norm -------------------------------------------------------------------------------------------
 
 @torch.library.custom_op("graphopt::rms_norm", mutates_args=())
@@ -33,11 +40,11 @@ def _rms_norm_fake(x, weight, eps, weight_offset, out_dtype):
 def check_rms_norm(x, weight, compute_weight_grad=False):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
     if weight is not None:
-        torch._check(weight.dim() == 1 and weight.shape[0] == x.shape[-1],
-                     lambda: f"rms_norm: weight of shape {tuple(weight.shape)} does not match hidden size "
-                             f"{x.shape[-1]}")
-    torch._check(weight is not None or not compute_weight_grad,
-                 lambda: "rms_norm_backward: compute_weight_grad=True needs a weight")
+        _check(weight.dim() == 1 and weight.shape[0] == x.shape[-1],
+               lambda: f"rms_norm: weight of shape {tuple(weight.shape)} does not match hidden size "
+                       f"{x.shape[-1]}")
+    _check(weight is not None or not compute_weight_grad,
+           lambda: "rms_norm_backward: compute_weight_grad=True needs a weight")
 
 
 @torch.library.custom_op("graphopt::rms_norm_backward", mutates_args=())
@@ -107,11 +114,11 @@ def _gated_activation_backward_fake(grad_out, gate, up, activation):
 
 def check_gated_activation(gate, up, activation):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
-    torch._check(activation in reference.GATED_ACTIVATIONS,
-                 lambda: f"gated_activation: activation {activation!r} is not one of {reference.GATED_ACTIVATIONS}")
-    torch._check(gate.shape == up.shape and gate.dtype == up.dtype,
-                 lambda: f"gated_activation: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
-                         f"{up.dtype} must have one shape and dtype")
+    _check(activation in reference.GATED_ACTIVATIONS,
+           lambda: f"gated_activation: activation {activation!r} is not one of {reference.GATED_ACTIVATIONS}")
+    _check(gate.shape == up.shape and gate.dtype == up.dtype,
+           lambda: f"gated_activation: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                   f"{up.dtype} must have one shape and dtype")
 
 
 def _gated_setup_context(ctx, inputs, output):
@@ -163,20 +170,20 @@ def _rope_backward_fake(grad_q, grad_k, cos, sin):
 
 def check_rope(q, k, cos, sin):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
-    torch._check(q.dim() == 4 and k.dim() == 4,
-                 lambda: f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} must be [batch, heads, seq, head_dim]")
-    torch._check(q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and q.shape[3] == k.shape[3],
-                 lambda: f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, seq or head_dim")
-    torch._check(cos.dim() == 3 and cos.shape == sin.shape and cos.dtype == sin.dtype,
-                 lambda: f"rope: cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} must be "
-                         "[batch or 1, seq, rotary_dim] of one dtype")
-    torch._check((cos.shape[0] == 1 or cos.shape[0] == q.shape[0]) and cos.shape[1] == q.shape[2],
-                 lambda: f"rope: cos/sin {tuple(cos.shape)} do not broadcast over q {tuple(q.shape)}: "
-                         "[batch or 1, seq, rotary_dim] expected")
-    torch._check(cos.shape[2] % 2 == 0 and 0 < cos.shape[2] <= q.shape[3],
-                 lambda: f"rope: rotary_dim {cos.shape[2]} must be even and within head_dim {q.shape[3]}")
+    _check(q.dim() == 4 and k.dim() == 4,
+           lambda: f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} must be [batch, heads, seq, head_dim]")
+    _check(q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and q.shape[3] == k.shape[3],
+           lambda: f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch, seq or head_dim")
+    _check(cos.dim() == 3 and cos.shape == sin.shape and cos.dtype == sin.dtype,
+           lambda: f"rope: cos {tuple(cos.shape)} {cos.dtype} and sin {tuple(sin.shape)} {sin.dtype} must be "
+                   "[batch or 1, seq, rotary_dim] of one dtype")
+    _check((cos.shape[0] == 1 or cos.shape[0] == q.shape[0]) and cos.shape[1] == q.shape[2],
+           lambda: f"rope: cos/sin {tuple(cos.shape)} do not broadcast over q {tuple(q.shape)}: "
+                   "[batch or 1, seq, rotary_dim] expected")
+    _check(cos.shape[2] % 2 == 0 and 0 < cos.shape[2] <= q.shape[3],
+           lambda: f"rope: rotary_dim {cos.shape[2]} must be even and within head_dim {q.shape[3]}")
     for name, t in (("q", q), ("k", k), ("cos", cos)):
-        torch._check(t.dtype.is_floating_point, lambda: f"rope: {name} has dtype {t.dtype}, not a float dtype")
+        _check(t.dtype.is_floating_point, lambda: f"rope: {name} has dtype {t.dtype}, not a float dtype")
 
 
 def _rope_setup_context(ctx, inputs, output):
@@ -219,11 +226,11 @@ def _lora_down_fake(x, lora_a, dropout_mask=None, dropout_p=0.0):
 
 def check_lora_down(x, lora_a, dropout_mask=None, dropout_p=0.0, op="lora_down"):
     """The input contract of lora_down and of the adapters' part of lora_linear."""
-    torch._check(lora_a.dim() == 2 and x.shape[-1] == lora_a.shape[1],
-                 lambda: f"{op}: lora_a {tuple(lora_a.shape)} is not [rank, {x.shape[-1]}] for x {tuple(x.shape)}")
-    torch._check(dropout_mask is None or (dropout_mask.dtype == torch.bool and dropout_mask.shape == x.shape),
-                 lambda: f"{op}: dropout_mask must be a bool tensor of x's shape {tuple(x.shape)}")
-    torch._check(0.0 <= dropout_p < 1.0, lambda: f"{op}: dropout_p={dropout_p} must be in [0, 1)")
+    _check(lora_a.dim() == 2 and x.shape[-1] == lora_a.shape[1],
+           lambda: f"{op}: lora_a {tuple(lora_a.shape)} is not [rank, {x.shape[-1]}] for x {tuple(x.shape)}")
+    _check(dropout_mask is None or (dropout_mask.dtype == torch.bool and dropout_mask.shape == x.shape),
+           lambda: f"{op}: dropout_mask must be a bool tensor of x's shape {tuple(x.shape)}")
+    _check(0.0 <= dropout_p < 1.0, lambda: f"{op}: dropout_p={dropout_p} must be in [0, 1)")
 
 
 def _lora_down_setup_context(ctx, inputs, output):
@@ -273,14 +280,14 @@ def check_lora_linear(x, weight, lora_a, lora_b, xa, dropout_mask=None, dropout_
     weight, or its shape (lora_linear_4bit)."""
     shape = tuple(weight.shape) if isinstance(weight, Tensor) else tuple(weight)
     check_lora_down(x, lora_a, dropout_mask, dropout_p, op)
-    torch._check(len(shape) == 2 and lora_b.dim() == 2,
-                 lambda: f"{op}: weight and lora_b must be matrices")
-    torch._check(x.shape[-1] == shape[1] and lora_b.shape[0] == shape[0] and lora_b.shape[1] == lora_a.shape[0],
-                 lambda: f"{op}: shapes do not chain: x {tuple(x.shape)}, weight {shape}, "
-                         f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
-    torch._check(xa.shape == (*x.shape[:-1], lora_a.shape[0]) and xa.dtype == lora_a.dtype,
-                 lambda: f"{op}: xa {tuple(xa.shape)} {xa.dtype} is not lora_down's x·Aᵀ "
-                         f"{(*x.shape[:-1], lora_a.shape[0])} {lora_a.dtype}")
+    _check(len(shape) == 2 and lora_b.dim() == 2,
+           lambda: f"{op}: weight and lora_b must be matrices")
+    _check(x.shape[-1] == shape[1] and lora_b.shape[0] == shape[0] and lora_b.shape[1] == lora_a.shape[0],
+           lambda: f"{op}: shapes do not chain: x {tuple(x.shape)}, weight {shape}, "
+                   f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}")
+    _check(xa.shape == (*x.shape[:-1], lora_a.shape[0]) and xa.dtype == lora_a.dtype,
+           lambda: f"{op}: xa {tuple(xa.shape)} {xa.dtype} is not lora_down's x·Aᵀ "
+                   f"{(*x.shape[:-1], lora_a.shape[0])} {lora_a.dtype}")
 
 
 def _lora_setup_context(ctx, inputs, output):
@@ -355,13 +362,13 @@ def _lora_linear_4bit_backward_fake(grad_out, x, xa, packed, shape, absmax, bloc
 def check_lora_linear_4bit(x, packed, shape, blocksize, quant_type, lora_a, lora_b, xa, dropout_mask=None,
                            dropout_p=0.0):
     """The op's input contract; every implementation checks it."""
-    torch._check(len(shape) == 2 and packed.dtype == torch.uint8
-                 and packed.numel() == (shape[0] * shape[1] + 1) // 2,
-                 lambda: f"lora_linear_4bit: packed must hold the {shape} weight's 4-bit codes two a byte (uint8), "
-                         f"got {packed.dtype} of {packed.numel()} elements")
-    torch._check(quant_type in QUANT_TYPES and blocksize >= 2 and blocksize & (blocksize - 1) == 0,
-                 lambda: f"lora_linear_4bit: quant_type {quant_type!r} must be one of {QUANT_TYPES}, blocksize "
-                         f"{blocksize} a power of 2 (bitsandbytes makes 32 to 4096)")
+    _check(len(shape) == 2 and packed.dtype == torch.uint8
+           and packed.numel() == (shape[0] * shape[1] + 1) // 2,
+           lambda: f"lora_linear_4bit: packed must hold the {shape} weight's 4-bit codes two a byte (uint8), "
+                   f"got {packed.dtype} of {packed.numel()} elements")
+    _check(quant_type in QUANT_TYPES and blocksize >= 2 and blocksize & (blocksize - 1) == 0,
+           lambda: f"lora_linear_4bit: quant_type {quant_type!r} must be one of {QUANT_TYPES}, blocksize "
+                   f"{blocksize} a power of 2 (bitsandbytes makes 32 to 4096)")
     check_lora_linear(x, shape, lora_a, lora_b, xa, dropout_mask, dropout_p, op="lora_linear_4bit")
 
 
@@ -429,24 +436,24 @@ LOSS_REDUCTIONS = ("mean", "sum")
 def check_lm_head(op, hidden, weight, bias, targets):
     """The contract the fused heads share: hidden [tokens, hidden] rows of the lm_head weight [vocab, hidden], a bias
     [vocab] or none, one int64 target per row."""
-    torch._check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
-                 lambda: f"{op}: hidden {tuple(hidden.shape)} must be [tokens, hidden] rows of the weight's width "
-                         f"{tuple(weight.shape)}")
-    torch._check(bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
-                 lambda: f"{op}: bias must be [vocab]")
-    torch._check(targets.dim() == 1 and targets.shape[0] == hidden.shape[0] and targets.dtype == torch.long,
-                 lambda: f"{op}: targets {tuple(targets.shape)} {targets.dtype} must be int64, one label per row of "
-                         f"hidden {tuple(hidden.shape)}")
+    _check(hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1],
+           lambda: f"{op}: hidden {tuple(hidden.shape)} must be [tokens, hidden] rows of the weight's width "
+                   f"{tuple(weight.shape)}")
+    _check(bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
+           lambda: f"{op}: bias must be [vocab]")
+    _check(targets.dim() == 1 and targets.shape[0] == hidden.shape[0] and targets.dtype == torch.long,
+           lambda: f"{op}: targets {tuple(targets.shape)} {targets.dtype} must be int64, one label per row of "
+                   f"hidden {tuple(hidden.shape)}")
 
 
 def check_linear_cross_entropy(hidden, weight, bias, target, reduction, chunk_rows):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
     check_lm_head("linear_cross_entropy", hidden, weight, bias, target)
-    torch._check(hidden.dtype == weight.dtype, lambda: f"linear_cross_entropy: hidden {hidden.dtype} and weight "
-                                                       f"{weight.dtype} must have one dtype, as F.linear needs")
-    torch._check(reduction in LOSS_REDUCTIONS,
-                 lambda: f"linear_cross_entropy: reduction {reduction!r} is not one of {LOSS_REDUCTIONS}")
-    torch._check(chunk_rows > 0, lambda: f"linear_cross_entropy: chunk_rows={chunk_rows} must be positive")
+    _check(hidden.dtype == weight.dtype, lambda: f"linear_cross_entropy: hidden {hidden.dtype} and weight "
+                                                 f"{weight.dtype} must have one dtype, as F.linear needs")
+    _check(reduction in LOSS_REDUCTIONS,
+           lambda: f"linear_cross_entropy: reduction {reduction!r} is not one of {LOSS_REDUCTIONS}")
+    _check(chunk_rows > 0, lambda: f"linear_cross_entropy: chunk_rows={chunk_rows} must be positive")
 
 
 def _linear_ce_setup_context(ctx, inputs, output):
@@ -524,11 +531,11 @@ def _linear_logprobs_backward_fake(grad_log_probs, grad_entropy, hidden, weight,
 def check_linear_logprobs(hidden, weight, bias, targets, temperature, softcap, compute_dtype, chunk_rows):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
     check_lm_head("linear_logprobs", hidden, weight, bias, targets)
-    torch._check(compute_dtype.is_floating_point,
-                 lambda: f"linear_logprobs: compute_dtype {compute_dtype} is not a float dtype")
-    torch._check(temperature > 0 and softcap >= 0,
-                 lambda: f"linear_logprobs: temperature={temperature} must be > 0 and softcap={softcap} >= 0")
-    torch._check(chunk_rows > 0, lambda: f"linear_logprobs: chunk_rows={chunk_rows} must be positive")
+    _check(compute_dtype.is_floating_point,
+           lambda: f"linear_logprobs: compute_dtype {compute_dtype} is not a float dtype")
+    _check(temperature > 0 and softcap >= 0,
+           lambda: f"linear_logprobs: temperature={temperature} must be > 0 and softcap={softcap} >= 0")
+    _check(chunk_rows > 0, lambda: f"linear_logprobs: chunk_rows={chunk_rows} must be positive")
 
 
 def _linear_logprobs_setup_context(ctx, inputs, output):
@@ -598,25 +605,25 @@ def _padded_attention_backward_fake(grad_out, q, k, v, keep, out, lse, scale, wi
 
 
 def _check_attention(op, q, k, v):
-    torch._check(q.dim() == 4 and k.dim() == 4 and k.shape == v.shape,
-                 lambda: f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be "
-                         f"[batch, heads, length, head_dim], k and v of one shape")
-    torch._check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2] and k.shape[3] == q.shape[3]
-                 and q.shape[1] % k.shape[1] == 0,
-                 lambda: f"{op}: k and v {tuple(k.shape)} must match q {tuple(q.shape)} but in heads, a divisor of q's")
+    _check(q.dim() == 4 and k.dim() == 4 and k.shape == v.shape,
+           lambda: f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} must be "
+                   f"[batch, heads, length, head_dim], k and v of one shape")
+    _check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2] and k.shape[3] == q.shape[3]
+           and q.shape[1] % k.shape[1] == 0,
+           lambda: f"{op}: k and v {tuple(k.shape)} must match q {tuple(q.shape)} but in heads, a divisor of q's")
 
 
 def _check_window(op, window):
-    torch._check(window is None or window >= 1, lambda: f"{op}: a sliding window of {window} positions must hold one")
+    _check(window is None or window >= 1, lambda: f"{op}: a sliding window of {window} positions must hold one")
 
 
 def check_padded_attention(q, k, v, keep, window=None):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
     _check_attention("padded_attention", q, k, v)
     _check_window("padded_attention", window)
-    torch._check(keep.dtype == torch.bool and keep.dim() == 2 and keep.shape[0] == q.shape[0]
-                 and keep.shape[1] == q.shape[2],
-                 lambda: f"padded_attention: keep {tuple(keep.shape)} {keep.dtype} must be bool [batch, length]")
+    _check(keep.dtype == torch.bool and keep.dim() == 2 and keep.shape[0] == q.shape[0]
+           and keep.shape[1] == q.shape[2],
+           lambda: f"padded_attention: keep {tuple(keep.shape)} {keep.dtype} must be bool [batch, length]")
 
 
 def _masked_attention_setup_context(ctx, inputs, output):
@@ -676,11 +683,11 @@ def check_packed_attention(q, k, v, position_ids, window=None):
     """The op's input contract; every implementation (reference, fake, target kernels) checks it."""
     _check_attention("packed_attention", q, k, v)
     _check_window("packed_attention", window)
-    torch._check(not position_ids.is_floating_point() and position_ids.dtype != torch.bool
-                 and position_ids.dim() == 2 and position_ids.shape[0] == q.shape[0]
-                 and position_ids.shape[1] == q.shape[2],
-                 lambda: f"packed_attention: position_ids {tuple(position_ids.shape)} {position_ids.dtype} must be "
-                         f"integers [batch, length]")
+    _check(not position_ids.is_floating_point() and position_ids.dtype != torch.bool
+           and position_ids.dim() == 2 and position_ids.shape[0] == q.shape[0]
+           and position_ids.shape[1] == q.shape[2],
+           lambda: f"packed_attention: position_ids {tuple(position_ids.shape)} {position_ids.dtype} must be "
+                   f"integers [batch, length]")
 
 
 def _packed_attention_grad(ctx, grad_out, _grad_lse):

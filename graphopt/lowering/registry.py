@@ -13,13 +13,15 @@ try:  # Triton is a Linux dependency; elsewhere the CUDA lowering is simply abse
     from graphopt.lowering import cuda
 except ImportError as error:
     cuda, _CUDA_MISSING = None, str(error)
+    _CUDA_DIRECT = {}
 else:
-    cuda.register()
+    _CUDA_DIRECT = cuda.register()
     cuda.expandable_segments_on_import()
     cuda.keep_extracted_outputs_in_their_partition()
 
 
 _REFERENCES = {op: "pure-torch reference (kernels/reference.py)" for op in ops.ALL_OPS}
+_CPU_DIRECT = cpu.direct_calls()
 _ASCEND_KERNELS = []  # the Library that registers lowering/ascend.py for the NPU, once a graph targets it
 
 
@@ -45,6 +47,9 @@ class Lowering:
     # graph call → the function it is traced as on the meta device (graphopt explain): as the target runs it,
     # where the meta device would take another form (SDPA's math form on meta, a fused kernel on a GPU)
     meta_stand_ins: dict = field(default_factory=dict)
+    # graphopt op → the op the graphs Inductor compiles call instead: the same kernel without custom_op's layers
+    # (lowering/direct.py)
+    direct_calls: dict = field(default_factory=dict)
 
 
 def lowering_for(target: str) -> Lowering:
@@ -56,7 +61,7 @@ def lowering_for(target: str) -> Lowering:
                         implementations=dict(cuda.IMPLEMENTATIONS), note=note, cuda_graphs=target == "cuda",
                         uncapturable_ops=cuda.UNCAPTURABLE_OPS,
                         prepare=cuda.prepare if target == "cuda" else None,
-                        meta_stand_ins=dict(cuda.META_STAND_INS),
+                        meta_stand_ins=dict(cuda.META_STAND_INS), direct_calls=dict(_CUDA_DIRECT),
                         variants={torch.ops.graphopt.lora_down.default: cuda.lora_down_variant,
                                   torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
                                   torch.ops.graphopt.lora_linear_4bit.default: cuda.lora_4bit_variant,
@@ -64,7 +69,8 @@ def lowering_for(target: str) -> Lowering:
                                   torch.ops.graphopt.packed_attention.default: cuda.attention_variant})
     if target == "cpu":
         return Lowering(target, inductor=True, decompositions=dict(cpu.DECOMPOSITIONS),
-                        implementations=dict(cpu.IMPLEMENTATIONS), offload_copies=False)
+                        implementations=dict(cpu.IMPLEMENTATIONS), offload_copies=False,
+                        direct_calls=dict(_CPU_DIRECT))
     if target == "npu":
         if not _ASCEND_KERNELS:
             _ASCEND_KERNELS.append(ascend.register())

@@ -1,0 +1,59 @@
+"""Direct calls: in the graphs Inductor compiles, each graphopt op that stays opaque is called as an op of the
+target's own namespace (graphopt_cuda::lora_linear, graphopt_cpu::lora_linear), of the same schema, tags and
+kernel, registered without torch.library.custom_op's layers.
+
+custom_op wraps every call in an autograd layer (in Python, even where nothing needs a gradient), a redispatch and
+a check that no output aliases an input: about 60 µs a call on the host, against 20 for a plain op of the
+dispatcher (benchmarks/RESULTS.md, SFT X). A compiled graph needs none of them: aot_autograd has already put each
+op's backward op in the backward graph, and the fakes checked the outputs when the graph was traced. Under dynamic
+shapes CUDA graphs are off and the host launches every kernel of the step, so these layers are time the GPU waits.
+
+The rename happens after the partition (an Inductor post-grad pass), so everything before it (fusion, the memory
+plan, the report) sees the graphopt ops of the contract, and eager calls keep custom_op's checks and autograd.
+"""
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+_LIBRARIES = {}  # namespace → its Library, kept alive for the process
+
+
+def define(target: str, dispatch_key: str, kernels: dict) -> dict:
+    """{graphopt op: its direct op} for a target, the direct ops defined in namespace graphopt_<target> once a
+    process. kernels: graphopt op → the function the target runs it with on dispatch_key's tensors."""
+    namespace = f"graphopt_{target}"
+    library = _LIBRARIES.get(namespace)
+    if library is None:
+        library = _LIBRARIES[namespace] = torch.library.Library(namespace, "DEF")
+        for op, kernel in kernels.items():
+            name = op._schema.name.split("::")[1]
+            library.define(str(op._schema).split("::", 1)[1], tags=tuple(op.tags))
+            library.impl(name, kernel, dispatch_key)
+            # the fake is the graphopt op's own, reached by calling it on the fake tensors
+            torch.library.register_fake(f"{namespace}::{name}", _calling(op), lib=library)
+    return {op: getattr(getattr(torch.ops, namespace), op._schema.name.split("::")[1]).default for op in kernels}
+
+
+def _calling(op):
+    def fake(*args, **kwargs):
+        return op(*args, **kwargs)
+    return fake
+
+
+class DirectCalls(CustomGraphPass):
+    """Inductor's post-grad pass that calls each graphopt op of the forward and backward graphs by its direct
+    op."""
+
+    def __init__(self, calls: dict):
+        self.calls = calls
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in self.calls:
+                node.target = self.calls[node.target]
+
+    def uuid(self) -> str:  # Inductor's FX graph cache keys a graph with it
+        return "graphopt direct calls: " + ", ".join(sorted(str(op) for op in self.calls.values()))
+
+    def __deepcopy__(self, memo):  # Inductor copies its config for the backward's compile: ops are not copied
+        return self
