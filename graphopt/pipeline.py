@@ -12,6 +12,7 @@
                 under CUDA graphs, the gradients and the loss leave the graphs' pool  passes/graph_pool.py
                 (with options.plan, 4–6 come from the plan directory's caches, the decision from its plan.json)
   6. lower      each graphopt op → the target's implementation; the rest → Inductor (or eager)   lowering/
+                after the partition, Inductor's graphs call the ops without custom_op's layers  lowering/direct.py
   7. report     the plan every stage added to (graphopt/plan.py), published  graphopt/report.py
   8. hand back  outputs not computed become LogitsNotMaterialized      graphopt/logits.py
 
@@ -130,7 +131,8 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
         # As config_patches, not a config.patch block: they must also reach the backward, compiled at its first run.
         settings = dict(custom_partitioner_fn=partitioner)
         if lowering.direct_calls:  # after the partition, the ops called without custom_op's layers
-            settings["post_grad_custom_post_pass"] = DirectCalls(lowering.direct_calls)
+            settings["post_grad_custom_post_pass"] = DirectCalls(lowering.direct_calls,
+                                                                 torch._inductor.config.post_grad_custom_post_pass)
         # With fallback_random the random ops (fused LoRA dropout's bernoulli_) call torch's generator in the order
         # they run. Inductor's peak-memory reordering sees no dependency between independent draws and may move one
         # past another (pytorch/pytorch#192635): each mask is then another's, eager's stream no longer reproduced.

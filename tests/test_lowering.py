@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import graphopt
 from graphopt.lowering import registry
@@ -143,8 +144,19 @@ def test_compiled_graphs_call_the_ops_without_custom_op_layers():
     model = tiny_lora_model("llama")
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     torch._dynamo.reset()
+    seen = set()
+
+    class UserPass(CustomGraphPass):  # a post-grad pass of the user's own: it still runs, on the contract's ops
+        def __call__(self, graph):
+            seen.update(str(n.target) for n in graph.nodes if "graphopt" in str(n.target))
+
+        def uuid(self):
+            return "user pass"
+
     compiled = torch.compile(model, backend="graphopt")
-    compiled(input_ids=ids, labels=ids).loss.backward()  # compiled: tracing calls the graphopt ops on fakes
+    with torch._inductor.config.patch(post_grad_custom_post_pass=UserPass()):
+        compiled(input_ids=ids, labels=ids).loss.backward()  # compiled: tracing calls the graphopt ops on fakes
+    assert {"graphopt.lora_linear.default", "graphopt.lora_linear_backward.default"} <= seen, seen
     model.zero_grad()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         compiled(input_ids=ids, labels=ids).loss.backward()

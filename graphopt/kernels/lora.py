@@ -272,7 +272,7 @@ def _column_splits(config, programs, widest, device, platform):
     multiprocessor.
 
     One split too where the host launches each kernel as the step runs (a GPU stream not being captured into a
-    CUDA graph): a split adds a launch to sum the partial products, about 25 µs of the host's time, as long as the
+    CUDA graph): a split adds a launch to sum the partial products, 25–50 µs of the host's time, as long as the
     projection takes on the GPU, in a step whose pace the host sets (under dynamic shapes: benchmarks/RESULTS.md,
     SFT X). A CUDA graph replays its launches at no cost to the host, and there the split pays."""
     fill = config.get("FILL", 0)

@@ -3,8 +3,8 @@ target's own namespace (graphopt_cuda::lora_linear, graphopt_cpu::lora_linear), 
 kernel, registered without torch.library.custom_op's layers.
 
 custom_op wraps every call in an autograd layer (in Python, even where nothing needs a gradient), a redispatch and
-a check that no output aliases an input: about 60 µs a call on the host, against 20 for a plain op of the
-dispatcher (benchmarks/RESULTS.md, SFT X). A compiled graph needs none of them: aot_autograd has already put each
+a check that no output aliases an input: 16–60 µs of host time a call more than the same kernel as a plain op of
+the dispatcher, on the GPU machines (benchmarks/RESULTS.md, SFT X). A compiled graph needs none of them: aot_autograd has already put each
 op's backward op in the backward graph, and the fakes checked the outputs when the graph was traced. Under dynamic
 shapes CUDA graphs are off and the host launches every kernel of the step, so these layers are time the GPU waits.
 
@@ -41,19 +41,28 @@ def _calling(op):
 
 
 class DirectCalls(CustomGraphPass):
-    """Inductor's post-grad pass that calls each graphopt op of the forward and backward graphs by its direct
-    op."""
+    """Inductor's post-grad pass that calls each graphopt op of the forward and backward graphs by its direct op,
+    after the post-grad passes the user had set in the same place (Inductor's config holds one: graphopt's must
+    not replace them), which see the contract's ops."""
 
-    def __init__(self, calls: dict):
+    def __init__(self, calls: dict, before=None):
         self.calls = calls
+        self.before = tuple(before) if isinstance(before, (list, tuple)) else (() if before is None else (before,))
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        for user_pass in self.before:
+            user_pass(graph)
         for node in graph.nodes:
             if node.op == "call_function" and node.target in self.calls:
                 node.target = self.calls[node.target]
 
-    def uuid(self) -> str:  # Inductor's FX graph cache keys a graph with it
-        return "graphopt direct calls: " + ", ".join(sorted(str(op) for op in self.calls.values()))
+    def uuid(self):
+        """What Inductor's FX graph cache keys a graph with; None (not cached) where a pass before it has none."""
+        before = [user_pass.uuid() if hasattr(user_pass, "uuid") else None for user_pass in self.before]
+        if None in before:
+            return None
+        return repr(before) + " then graphopt direct calls: " + ", ".join(sorted(str(op) for op in
+                                                                              self.calls.values()))
 
     def __deepcopy__(self, memo):  # Inductor copies its config for the backward's compile: ops are not copied
         return self
