@@ -63,7 +63,8 @@ def gpu():
         return (time.perf_counter() - start) / calls * 1e6
 
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {tokens} tokens, wall µs per call\n")
-    print("| op | custom op (graphopt::) | direct op (graphopt_cuda::) | kernel function |\n| --- | ---: | ---: | ---: |")
+    print("| op | custom op (graphopt::) | direct op (graphopt_cuda::) | kernel function |")
+    print("| --- | ---: | ---: | ---: |")
     with torch.no_grad():
         for name, args in calls.items():
             op = getattr(torch.ops.graphopt, name).default

@@ -218,9 +218,9 @@ CONFIGS = {
 }
 
 
-# (kernel's CONFIGS name, platform, the dtypes, BLOCK_R, device) → the config launched instead of CONFIGS', which needed more
-# shared memory than the GPU has: at large ranks, and with fp32 inputs, where every tile is twice as large. Whoever
-# changes CONFIGS at run time (benchmarks/lora_configs.py) clears it.
+# (the kernel's name in CONFIGS, platform, the dtypes, BLOCK_R, device) → the config launched instead of CONFIGS',
+# which needed more shared memory than the GPU has: at large ranks, and with fp32 inputs, where every tile is twice
+# as large. Whoever changes CONFIGS at run time (benchmarks/lora_configs.py) clears it.
 _FITTED = {}
 
 

@@ -4,9 +4,10 @@ kernel, registered without torch.library.custom_op's layers.
 
 custom_op wraps every call in an autograd layer (in Python, even where nothing needs a gradient), a redispatch and
 a check that no output aliases an input: 16–60 µs of host time a call more than the same kernel as a plain op of
-the dispatcher, on the GPU machines (benchmarks/RESULTS.md, SFT X). A compiled graph needs none of them: aot_autograd has already put each
-op's backward op in the backward graph, and the fakes checked the outputs when the graph was traced. Under dynamic
-shapes CUDA graphs are off and the host launches every kernel of the step, so these layers are time the GPU waits.
+the dispatcher, on the GPU machines (benchmarks/RESULTS.md, SFT X). A compiled graph needs none of them:
+aot_autograd has already put each op's backward op in the backward graph, and the fakes checked the outputs when
+the graph was traced. Under dynamic shapes CUDA graphs are off and the host launches every kernel of the step, so
+these layers are time the GPU waits.
 
 The rename happens after the partition (an Inductor post-grad pass), so everything before it (fusion, the memory
 plan, the report) sees the graphopt ops of the contract, and eager calls keep custom_op's checks and autograd.
@@ -61,8 +62,8 @@ class DirectCalls(CustomGraphPass):
         before = [user_pass.uuid() if hasattr(user_pass, "uuid") else None for user_pass in self.before]
         if None in before:
             return None
-        return repr(before) + " then graphopt direct calls: " + ", ".join(sorted(str(op) for op in
-                                                                              self.calls.values()))
+        calls = ", ".join(sorted(str(op) for op in self.calls.values()))
+        return f"{before!r} then graphopt direct calls: {calls}"
 
     def __deepcopy__(self, memo):  # Inductor copies its config for the backward's compile: ops are not copied
         return self
