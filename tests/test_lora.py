@@ -269,7 +269,7 @@ def test_projections_split_over_columns_add_up_to_the_product(monkeypatch, fill)
     monkeypatch.setattr(lora, "_FITTED", {})
     monkeypatch.setattr(layout, "multiprocessors", lambda device: 1)  # the interpreter's count, on CUDA too
     if DEVICE == "cuda":
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        monkeypatch.setattr(layout, "capturing", lambda: True)
     g = torch.Generator().manual_seed(1)
     dtype = KERNEL_DTYPES[-1]
     x, grad = torch.randn(50, 100, generator=g).to(DEVICE, dtype), torch.randn(50, 70, generator=g).to(DEVICE, dtype)
@@ -280,7 +280,7 @@ def test_projections_split_over_columns_add_up_to_the_product(monkeypatch, fill)
     # none empty) and of dY·B's 70 (5 of 16), each then summed; dA's and dB's sum runs either way
     assert launched.count("_sum_splits_kernel") == (3 if fill else 1), launched
     if DEVICE == "cuda":  # no capture: one launch a projection, whatever FILL asks
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        monkeypatch.setattr(layout, "capturing", lambda: False)
         launched.clear()
         assert_kernels_match_fp64(x, grad, weight, None, a, b, 2.0)
         assert launched.count("_sum_splits_kernel") == 1, launched

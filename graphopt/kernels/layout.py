@@ -47,6 +47,12 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def capturing() -> bool:
+    """Whether the current GPU stream is being captured into a CUDA graph, whose replays cost the host nothing a
+    launch. False without a GPU (the AOT tests run the launch functions for GPU targets on the CPU)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 # Unspecialized sizes: a kernel's integer arguments that follow the batch's token count (rows, sequence length) are
 # named in its do_not_specialize. Triton compiles a kernel again for every new combination of "divisible by 16"
 # and "equal to 1" among its integer arguments; with batches of varying length (a graph of dynamic shapes) the

@@ -276,7 +276,7 @@ def _column_splits(config, programs, widest, device, platform):
     projection takes on the GPU, in a step whose pace the host sets (under dynamic shapes: benchmarks/RESULTS.md,
     SFT X). A CUDA graph replays its launches at no cost to the host, and there the split pays."""
     fill = config.get("FILL", 0)
-    if not fill or (platform != "cpu" and not torch.cuda.is_current_stream_capturing()):
+    if not fill or (platform != "cpu" and not layout.capturing()):
         return 1
     wanted = fill * (1 if platform == "cpu" else layout.multiprocessors(device))
     return max(1, min(wanted // max(programs, 1), layout.cdiv(widest, config["BLOCK_K"])))
