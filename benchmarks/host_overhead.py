@@ -23,12 +23,15 @@ from triton.runtime.jit import JITFunction
 from graphopt.kernels import cross_entropy, gated_activation, layout, lora, rmsnorm, rope
 
 
-def per_call_us(fn, calls=3000):
+def per_call_us(fn, calls=3000, synchronize=lambda: None):
+    """Wall µs per call of fn; synchronize waits for what the calls queued (the GPU's work), before and after."""
     for _ in range(200):
         fn()
+    synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    synchronize()
     return (time.perf_counter() - start) / calls * 1e6
 
 
@@ -52,15 +55,8 @@ def gpu():
         "rope": (q, k, cos, sin),
     }
 
-    def timed(fn, args, calls=2000):
-        for _ in range(100):
-            fn(*args)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn(*args)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / calls * 1e6
+    def timed(fn, args):
+        return per_call_us(lambda: fn(*args), 2000, torch.cuda.synchronize)
 
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {tokens} tokens, wall µs per call\n")
     print("| op | custom op (graphopt::) | direct op (graphopt_cuda::) | kernel function |")

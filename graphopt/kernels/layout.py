@@ -49,8 +49,9 @@ def multiprocessors(device: torch.device) -> int:
 
 def capturing() -> bool:
     """Whether the current GPU stream is being captured into a CUDA graph, whose replays cost the host nothing a
-    launch. False without a GPU (the AOT tests run the launch functions for GPU targets on the CPU)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    launch. False where CUDA was never initialized: no capture can run there, and a CPU-only torch (the AOT tests
+    run the launch functions for GPU targets on the CPU) cannot be asked."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 # Unspecialized sizes: a kernel's integer arguments that follow the batch's token count (rows, sequence length) are

@@ -16,23 +16,25 @@ plan, the report) sees the graphopt ops of the contract, and eager calls keep cu
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-_LIBRARIES = {}  # namespace → its Library, kept alive for the process
+_LIBRARIES = []  # kept alive for the process
 
 
 def define(target: str, dispatch_key: str, kernels: dict) -> dict:
-    """{graphopt op: its direct op} for a target, the direct ops defined in namespace graphopt_<target> once a
-    process. kernels: graphopt op → the function the target runs it with on dispatch_key's tensors."""
+    """{graphopt op: its direct op} for a target, the direct ops defined in namespace graphopt_<target> (once a
+    process: lowering/registry.py calls it at import). kernels: graphopt op → the function the target runs it with
+    on dispatch_key's tensors."""
     namespace = f"graphopt_{target}"
-    library = _LIBRARIES.get(namespace)
-    if library is None:
-        library = _LIBRARIES[namespace] = torch.library.Library(namespace, "DEF")
-        for op, kernel in kernels.items():
-            name = op._schema.name.split("::")[1]
-            library.define(str(op._schema).split("::", 1)[1], tags=tuple(op.tags))
-            library.impl(name, kernel, dispatch_key)
-            # the fake is the graphopt op's own, reached by calling it on the fake tensors
-            torch.library.register_fake(f"{namespace}::{name}", _calling(op), lib=library)
-    return {op: getattr(getattr(torch.ops, namespace), op._schema.name.split("::")[1]).default for op in kernels}
+    library = torch.library.Library(namespace, "DEF")
+    _LIBRARIES.append(library)
+    calls = {}
+    for op, kernel in kernels.items():
+        name = op._schema.name.split("::")[1]
+        library.define(str(op._schema).split("::", 1)[1], tags=tuple(op.tags))
+        library.impl(name, kernel, dispatch_key)
+        # the fake is the graphopt op's own, reached by calling it on the fake tensors
+        torch.library.register_fake(f"{namespace}::{name}", _calling(op), lib=library)
+        calls[op] = getattr(getattr(torch.ops, namespace), name).default
+    return calls
 
 
 def _calling(op):
