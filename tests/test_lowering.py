@@ -171,3 +171,22 @@ def test_compiled_graphs_call_the_ops_without_custom_op_layers():
     expected = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(relative_error(g, e) <= 1e-5 for g, e in zip(grads, expected))
 
+
+
+@pytest.mark.parametrize("name", ["lora_down", "lora_linear", "lora_linear_backward"])
+def test_direct_ops_pass_opcheck_and_equal_the_contracts_op(name):
+    """A direct op (lowering/direct.py) is the graphopt op's schema, fake and kernel without custom_op's layers:
+    opcheck's schema, fake-tensor and dynamic-shape checks pass, and it computes what the graphopt op does."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 5, 8, generator=g), torch.randn(6, 8, generator=g)
+    a, b, grad = torch.randn(4, 8, generator=g), torch.randn(6, 4, generator=g), torch.randn(3, 5, 6, generator=g)
+    xa = torch.ops.graphopt.lora_down(x, a)
+    args = {"lora_down": (x, a), "lora_linear": (x, w, None, a, b, xa, 2.0, torch.float32),
+            "lora_linear_backward": (grad, x, xa, w, a, b, 2.0)}[name]
+    direct = getattr(torch.ops.graphopt_cpu, name).default
+    assert registry.lowering_for("cpu").direct_calls[getattr(torch.ops.graphopt, name).default] is direct
+    torch.library.opcheck(direct, args)
+    expected = getattr(torch.ops.graphopt, name)(*args)
+    got = direct(*args)
+    as_tuple = lambda out: out if isinstance(out, tuple) else (out,)  # noqa: E731
+    assert all(torch.equal(e, r) for e, r in zip(as_tuple(expected), as_tuple(got), strict=True))
