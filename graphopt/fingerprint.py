@@ -3,7 +3,8 @@
 Inductor's FX graph cache serves a graph compiled by another process when its key matches. The key sees the
 graph, its inputs and Inductor's settings, among them the partitioner's uuid (passes/recompute.py), which carries
 this hash: a compile from another graphopt (another release, or an edited checkout) is never reused, since the
-graphopt ops' CPU decompositions are inlined into the generated code and the partitioner's choices are graphopt's.
+graphopt ops' CPU decompositions and the LoRA ops' traced launches (lowering/traced.py) are inlined into the
+generated code, and the partitioner's choices are graphopt's.
 """
 
 import functools

@@ -13,6 +13,7 @@
                 (with options.plan, 4–6 come from the plan directory's caches, the decision from its plan.json)
   6. lower      each graphopt op → the target's implementation; the rest → Inductor (or eager)   lowering/
                 after the partition, Inductor's graphs call the ops without custom_op's layers  lowering/direct.py
+                or, CUDA graphs off, hold the LoRA ops' traced launches (Inductor launches them)  lowering/traced.py
   7. report     the plan every stage added to (graphopt/plan.py), published  graphopt/report.py
   8. hand back  outputs not computed become LogitsNotMaterialized      graphopt/logits.py
 
@@ -32,7 +33,7 @@ from graphopt import distributed, plan_dir
 from graphopt.devices import resolve_target
 from graphopt.logits import hand_back
 from graphopt.lowering import registry as lowering_registry
-from graphopt.lowering.direct import DirectCalls
+from graphopt.lowering.direct import DirectCalls, traced_note
 from graphopt.options import Options, check_cuda_graphs, cuda_graphs_decision
 from graphopt.passes.checkpoint import checkpointing_as_plan, inline_checkpoints
 from graphopt.passes.describe import graph_inputs
@@ -130,9 +131,11 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
         decompositions = lowering_registry.InductorDecompositions(lowering.target)
         # As config_patches, not a config.patch block: they must also reach the backward, compiled at its first run.
         settings = dict(custom_partitioner_fn=partitioner)
-        if lowering.direct_calls:  # after the partition, the ops called without custom_op's layers
-            settings["post_grad_custom_post_pass"] = DirectCalls(lowering.direct_calls,
-                                                                 torch._inductor.config.post_grad_custom_post_pass)
+        calls = None
+        if lowering.direct_calls:  # after the partition, the ops called without custom_op's layers, or traced
+            calls = DirectCalls(lowering.direct_calls, {} if graphs else lowering.traced_launches,
+                                torch._inductor.config.post_grad_custom_post_pass)
+            settings["post_grad_custom_post_pass"] = calls
         # With fallback_random the random ops (fused LoRA dropout's bernoulli_) call torch's generator in the order
         # they run. Inductor's peak-memory reordering sees no dependency between independent draws and may move one
         # past another (pytorch/pytorch#192635): each mask is then another's, eager's stream no longer reproduced.
@@ -154,6 +157,8 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
             settings["fx_graph_cache"] = True
         with torch._functorch.config.patch(enable_autograd_cache=with_decision):
             compiled = compile_fx(gm, example_inputs, config_patches=settings, decompositions=decompositions)
+        if calls and any(node.target in calls.traced for node in gm.graph.nodes):
+            plan.notes.append(traced_note(calls))
         if saved is not None and plan.saved_for_backward is None:  # served by AOTAutograd's cache
             plan.saved_for_backward = copy.deepcopy(saved.saved_for_backward)  # this graph's, to add to
         return compiled

@@ -5,9 +5,9 @@
 Each launch function of kernels/ runs on small CPU tensors with its kernels replaced by recorders, under the
 platform the target implies (kernels/layout.py: "cuda", or the AMD arch's family) and the target's multiprocessor
 count (MULTIPROCESSORS), so what compiles is exactly what that platform would launch: the kernel, its argument
-types, its constexprs, num_warps and num_stages; each line also gives the grids it was launched with. One LoRA
-backward has rows enough for its reduce to fill the GPU. tests/test_aot.py runs this in a process of its own:
-Triton's interpreter (which the CPU tests use) must be off for kernels to compile.
+types, its constexprs, num_warps and num_stages; each line also gives the grids it was launched with.
+tests/test_aot.py runs this in a process of its own: Triton's interpreter (which the CPU tests use) must be off for
+kernels to compile.
 """
 
 import json
@@ -57,7 +57,7 @@ def signature(kernel, args, kwargs):
     return types, constexprs, options
 
 
-def run_launch_functions(multiprocessors, dtypes):
+def run_launch_functions(dtypes):
     g = torch.Generator().manual_seed(0)
 
     def randn(*shape, dtype=torch.bfloat16):
@@ -97,12 +97,6 @@ def run_launch_functions(multiprocessors, dtypes):
         lora.lora_linear_forward(x, weight, None, lora_b, lora.lora_down_forward(x, lora_a), 2.0, dtype)
         lora.lora_linear_backward(randn(64, 512, dtype=dtype), randn(64, 256, dtype=dtype),
                                   randn(64, 16, dtype=torch.float32), weight, lora_a, lora_b, 2.0)
-        # 16 features in and out, a column block each, and 2 · multiprocessors splits of the fewest rows a split
-        # takes (4 · BLOCK_M = 256): exactly 4 programs per multiprocessor
-        many_rows, narrow = 512 * multiprocessors, randn(16, 16, dtype=torch.float32)
-        lora.lora_linear_backward(randn(many_rows, 16, dtype=dtype), randn(many_rows, 16, dtype=dtype),
-                                  randn(many_rows, 16, dtype=torch.float32), randn(16, 16, dtype=dtype), narrow,
-                                  narrow, 2.0)
         hidden, lm_head = randn(64, 256, dtype=dtype), randn(1000, 256, dtype=dtype)
         target = torch.randint(0, 1000, (64,), generator=g)
         for softcap in (0.0, 30.0):
@@ -122,7 +116,7 @@ def main(backend, arch, warp_size):
     layout.platform = lambda t: platform
     layout.multiprocessors = lambda device: MULTIPROCESSORS[arch]
     dtypes = (torch.bfloat16, torch.float32) + ((torch.float16,) if arch in FP16_TARGETS else ())
-    run_launch_functions(MULTIPROCESSORS[arch], dtypes)
+    run_launch_functions(dtypes)
     signatures, grids = {}, {}  # one compile per distinct signature, with every grid it was launched with
     for kernel, grid, args, kwargs in launches:
         types, constexprs, options = signature(kernel, args, kwargs)

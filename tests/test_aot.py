@@ -84,8 +84,9 @@ def test_programs_have_the_threads_tuned_on_nvidia(target):
 
 @pytest.mark.parametrize("target", list(TARGETS), ids=IDS)
 def test_lora_reduce_fills_the_gpu(target):
-    programs = {blocks * splits for c in compile_for(target) if c["kernel"] == "_reduce_rows_pair_kernel"
-                for blocks, splits in c["grids"]}
+    """The row reduction's splits follow the weights' sizes alone, not the token count (lowering/traced.py traces
+    it over a symbolic one): 4 programs a multiprocessor, in whole splits over every column block."""
+    grids = [(blocks, splits) for c in compile_for(target) if c["kernel"] == "_reduce_rows_pair_kernel"
+             for blocks, splits in c["grids"]]
     fill = 4 * MULTIPROCESSORS[target[1]]
-    assert max(programs) == fill  # aot_compile's backward with rows enough
-    assert min(programs) < fill  # few rows: fewer splits
+    assert grids and all(fill <= blocks * splits < fill + blocks for blocks, splits in grids), grids

@@ -1,7 +1,10 @@
 """Targets without a lowering of their own, the `fusions` option, and the backend from a fresh process."""
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,3 +193,69 @@ def test_direct_ops_pass_opcheck_and_equal_the_contracts_op(name):
     got = direct(*args)
     as_tuple = lambda out: out if isinstance(out, tuple) else (out,)  # noqa: E731
     assert all(torch.equal(e, r) for e, r in zip(as_tuple(expected), as_tuple(got), strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dynamic_graphs_launch_the_lora_kernels_from_inductors_code():
+    """Where CUDA graphs are off (a graph of dynamic shapes), the LoRA ops' launch functions are traced into the
+    graphs (lowering/traced.py): Inductor's generated code launches graphopt's kernels, the ops are not called,
+    one dynamic graph serves every later length, and loss and gradients stay eager's."""
+    from graphopt.report import reports
+
+    model = tiny_lora_model("llama").cuda()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="graphopt")
+    for length in (12, 20, 28):  # 12: a static graph; 20: the dynamic one, which 28 reuses
+        ids = torch.randint(0, model.config.vocab_size, (2, length), device="cuda")
+        model.zero_grad()
+        graphs = len(reports())
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            compiled(input_ids=ids, labels=ids).loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        expected = [p.grad for p in model.parameters() if p.requires_grad]
+        assert max(relative_error(g, e) for g, e in zip(grads, expected)) <= 1e-4, length
+    assert len(reports()) == graphs  # no compile at 28
+    called = {e.name for e in profile.events() if "lora" in e.name and "graphopt" in e.name}
+    assert not called, called
+    assert any("traced into the graphs" in note and "lora_linear" in note for note in reports()[-1].notes)
+
+
+
+def test_traced_launches_add_no_guard_and_repeat_one_trace_per_call():
+    """lowering/traced.py on the NVIDIA launch path, without a GPU (tests/traced_launches.py, in a process of its
+    own: Triton's interpreter, which the CPU tests use, cannot be traced): each LoRA op becomes its Triton launches
+    (wrap_triton), allocations and matmuls over the symbolic token count, without a guard on it, and a model's
+    repeated calls copy one trace per op."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("traced_launches.py")
+    run = subprocess.run([sys.executable, str(script), "3"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["graphopt_calls_left"] == [] and result["guards"] == [], result
+    assert result["launches"] == 3 * 6  # a layer: x·Aᵀ, the low-rank add; dY·B, dA and dB, their sum, dX's low-rank
+    assert result["addmms"] == 3 * 2  # x·Wᵀ, dY·W
+    assert result["traces"] == 3  # one per op
+    assert "lora_down, lora_linear, lora_linear_backward are traced into the graphs" in result["note"]
+
+
+def test_an_op_whose_trace_fails_is_called_directly_and_the_note_says_so(monkeypatch):
+    from graphopt.lowering import traced
+    from graphopt.lowering.direct import DirectCalls, traced_note
+    from traced_launches import lora_calls_over_symbolic_tokens
+
+    def fail(graph, node, function, traces):
+        raise NotImplementedError("no GPU driver to analyse the kernels' writes")
+
+    monkeypatch.setattr(traced, "inline", fail)
+    gm, _ = lora_calls_over_symbolic_tokens(layers=1)
+    lowering = registry.lowering_for("cuda")
+    calls = DirectCalls(lowering.direct_calls, lowering.traced_launches)
+    calls(gm.graph)
+    targets = {str(n.target) for n in gm.graph.nodes if "graphopt" in str(n.target)}
+    assert targets == {"graphopt_cuda.lora_down.default", "graphopt_cuda.lora_linear.default",
+                       "graphopt_cuda.lora_linear_backward.default"}
+    note = traced_note(calls)
+    assert note.startswith("CUDA graphs off: lora_down, lora_linear, lora_linear_backward called directly")
+    assert "no GPU driver" in note

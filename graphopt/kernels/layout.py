@@ -5,6 +5,7 @@ AMD's settings are derived by rule from NVIDIA's, which were measured on the H20
 hardware (there was none to tune on). Every kernel is compiled for gfx942 and gfx1100 in CI
 (tests/test_aot.py)."""
 
+import contextlib
 import functools
 import weakref
 
@@ -45,6 +46,28 @@ def num_warps(t: torch.Tensor, nvidia_warps: int) -> int:
 def multiprocessors(device: torch.device) -> int:
     """The GPU's SMs (NVIDIA) or compute units (AMD): launches that split work to fill the GPU size it by this."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_traced = False  # launches_traced() is active
+
+
+@contextlib.contextmanager
+def launches_traced():
+    """While active, launcher() wraps each Triton kernel for a trace (torch.library.wrap_triton): a launch function
+    called on fake tensors records its launches into a graph, which Inductor then launches from its generated code
+    (lowering/traced.py). Outside it, kernels launch as plain Triton calls: wrap_triton's wrapper costs host time
+    at every launch."""
+    global _traced
+    before, _traced = _traced, True
+    try:
+        yield
+    finally:
+        _traced = before
+
+
+def launcher(kernel):
+    """kernel, to be indexed by its grid and called; wrapped for the trace under launches_traced()."""
+    return torch.library.wrap_triton(kernel) if _traced else kernel
 
 
 def capturing() -> bool:

@@ -294,10 +294,10 @@ def _launch_options(config):
 def _sum_splits(partial, first, second, splits, platform, scale_first=1.0):
     """first, second = scale_first · Σ_split partial[split], Σ_split partial[split], partial[split] holding
     first's elements, then second's."""
-    size = partial[0].numel()
+    size = first.numel() + (0 if second is first else second.numel())
     config = CONFIGS[platform]["sum_splits"]
-    _sum_splits_kernel[(layout.cdiv(size, config["BLOCK"]),)](partial, first, second, splits, first.numel(), size,
-                                                               scale_first, **config)
+    layout.launcher(_sum_splits_kernel)[(layout.cdiv(size, config["BLOCK"]),)](
+        partial, first, second, splits, first.numel(), size, scale_first, **config)
 
 
 def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
@@ -314,7 +314,7 @@ def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
                                 config["BLOCK_K"])
         splits = layout.cdiv(n_cols, per_split) if n_cols else 1  # none empty
         partial = torch.empty((splits, n_rows, rank), dtype=torch.float32, device=x_rows.device)
-        _project_kernel[(row_blocks, 1, splits)](
+        layout.launcher(_project_kernel)[(row_blocks, 1, splits)](
             x_rows, weight, partial, n_rows, n_cols, per_split, rank,
             x_rows.stride(0), stride_wr, stride_wk, n_rows * rank, scale, BLOCK_R=block_r,
             PRECISION=PRECISION[platform], SPLIT_BF16=_split_bf16(x_rows, platform), **_launch_options(config))
@@ -344,11 +344,12 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa, scale_b):
         block_m = config["BLOCK_M"]
         out_blocks = layout.cdiv(n_out, config["BLOCK_N"])
         col_blocks = out_blocks + layout.cdiv(n_in, config["BLOCK_N"])
-        splits = max(1, min(layout.cdiv(n_rows, 4 * block_m), layout.cdiv(programs, col_blocks)))
+        # The splits follow the weights' sizes alone, not n_rows, which may be a symbolic size (lowering/traced.py):
+        # below splits · BLOCK_M rows some splits are empty, and their programs write zeros
+        splits = layout.cdiv(programs, col_blocks)
         rows_per_split = _split_size(n_rows, splits, block_m)
-        splits = layout.cdiv(n_rows, rows_per_split) if n_rows else 1
         partial = torch.empty((splits, size), dtype=torch.float32, device=rows.device)  # all written
-        _reduce_rows_pair_kernel[(col_blocks, splits)](
+        layout.launcher(_reduce_rows_pair_kernel)[(col_blocks, splits)](
             grad, xa, grad_xa, rows, partial, n_rows, n_out, n_in, rank, rows_per_split, grad.stride(0),
             rows.stride(0), out_blocks, BLOCK_R=block_r, PRECISION=PRECISION[platform],
             SPLIT_BF16_X=_split_bf16(rows, platform), SPLIT_BF16_G=_split_bf16(grad, platform), **config)
@@ -372,7 +373,8 @@ def _add_low_rank(xa, weight, stride_wn, stride_wr, scale, out_dtype, n_cols, bi
     out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=xa.device)
 
     def launch(config):
-        _add_low_rank_kernel[(layout.cdiv(n_rows, config["BLOCK_M"]), layout.cdiv(n_cols, config["BLOCK_N"]))](
+        grid = (layout.cdiv(n_rows, config["BLOCK_M"]), layout.cdiv(n_cols, config["BLOCK_N"]))
+        layout.launcher(_add_low_rank_kernel)[grid](
             xa if base is None else base, xa, weight, xa if bias is None else bias, out, n_rows, n_cols, xa.shape[1],
             0 if base is None else base.stride(0), stride_wn, stride_wr, scale, ADD_BASE=base is not None,
             HAS_BIAS=bias is not None, BLOCK_R=block_r, PRECISION=PRECISION[platform],

@@ -409,6 +409,13 @@ KERNELS = {
 }
 
 
+# The launch functions traced into the graphs that run without CUDA graphs, whose kernels Inductor then launches
+# (lowering/traced.py): the LoRA layers', six Triton launches and two matmuls an adapted projection and step, the
+# most of any op. On NVIDIA only: the traced form has not run on AMD GPUs.
+TRACED = {op: KERNELS[op] for op in (torch.ops.graphopt.lora_down.default, torch.ops.graphopt.lora_linear.default,
+                                     torch.ops.graphopt.lora_linear_backward.default)}
+
+
 def register() -> dict:
     """The kernels registered for the "cuda" device type (eager calls, and anything run outside Inductor), and the
     direct calls of compiled graphs (lowering/direct.py), returned: the ops not decomposed, by the same kernels."""

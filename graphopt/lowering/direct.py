@@ -11,10 +11,18 @@ these layers are time the GPU waits.
 
 The rename happens after the partition (an Inductor post-grad pass), so everything before it (fusion, the memory
 plan, the report) sees the graphopt ops of the contract, and eager calls keep custom_op's checks and autograd.
+The same pass may trace an op's launch function into the graph instead (lowering/traced.py), where Inductor
+launches its kernels.
 """
+
+import logging
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from graphopt.lowering import traced as traced_launches
+
+log = logging.getLogger(__name__)
 
 _LIBRARIES = []  # kept alive for the process
 
@@ -45,19 +53,32 @@ def _calling(op):
 
 class DirectCalls(CustomGraphPass):
     """Inductor's post-grad pass that calls each graphopt op of the forward and backward graphs by its direct op,
-    after the post-grad passes the user had set in the same place (Inductor's config holds one: graphopt's must
-    not replace them), which see the contract's ops."""
+    or, for the ops in traced (graphopt op → its launch function), traces the launch function into the graph
+    (lowering/traced.py); after the post-grad passes the user had set in the same place (Inductor's config holds
+    one: graphopt's must not replace them), which see the contract's ops. An op whose trace fails is called
+    directly, and the failure is logged and kept in `untraced`."""
 
-    def __init__(self, calls: dict, before=None):
+    def __init__(self, calls: dict, traced: dict = None, before=None):
         self.calls = calls
+        self.traced = traced or {}
+        self.untraced = []  # (op, the error) of each trace that failed
         self.before = tuple(before) if isinstance(before, (list, tuple)) else (() if before is None else (before,))
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for user_pass in self.before:
             user_pass(graph)
-        for node in graph.nodes:
-            if node.op == "call_function" and node.target in self.calls:
-                node.target = self.calls[node.target]
+        traces = {}
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in self.calls:
+                continue
+            if node.target in self.traced:
+                try:
+                    traced_launches.inline(graph, node, self.traced[node.target], traces)
+                    continue
+                except Exception as error:  # the op still runs, called directly
+                    log.warning("graphopt: %s called directly, its launches not traced: %s", node.target, error)
+                    self.untraced.append((str(node.target), repr(error)))
+            node.target = self.calls[node.target]
 
     def uuid(self):
         """What Inductor's FX graph cache keys a graph with; None (not cached) where a pass before it has none."""
@@ -65,7 +86,26 @@ class DirectCalls(CustomGraphPass):
         if None in before:
             return None
         calls = ", ".join(sorted(str(op) for op in self.calls.values()))
-        return f"{before!r} then graphopt direct calls: {calls}"
+        traced = ", ".join(sorted(str(op) for op in self.traced))
+        return f"{before!r} then graphopt direct calls: {calls}; traced: {traced}"
 
     def __deepcopy__(self, memo):  # Inductor copies its config for the backward's compile: ops are not copied
         return self
+
+
+def traced_note(calls: DirectCalls) -> str:
+    """The report's note on the ops whose launches calls traces, and on those whose trace failed so far (a backward
+    graph compiles at its first run, after the report is written: its failures are logged). A graph Inductor's
+    cache serves was compiled by the same pass (its uuid keys the cache)."""
+    def names(ops):
+        return ", ".join(sorted({str(op).removeprefix("graphopt.").removesuffix(".default") for op in ops}))
+    failed = {op for op, _ in calls.untraced}
+    traced = [op for op in calls.traced if str(op) not in failed]
+    notes = []
+    if traced:
+        notes.append(f"the launch functions of {names(traced)} are traced into the graphs, and Inductor's generated "
+                     f"code launches their Triton kernels and matmuls (lowering/traced.py)")
+    if failed:
+        notes.append(f"{names(failed)} called directly, their launches not traced: " +
+                     "; ".join(error for _, error in calls.untraced))
+    return "CUDA graphs off: " + "; ".join(notes)

@@ -50,6 +50,8 @@ class Lowering:
     # graphopt op → the op the graphs Inductor compiles call instead: the same kernel without custom_op's layers
     # (lowering/direct.py)
     direct_calls: dict = field(default_factory=dict)
+    # graphopt op → its launch function, traced into the graphs where CUDA graphs are off (lowering/traced.py)
+    traced_launches: dict = field(default_factory=dict)
 
 
 def lowering_for(target: str) -> Lowering:
@@ -62,6 +64,7 @@ def lowering_for(target: str) -> Lowering:
                         uncapturable_ops=cuda.UNCAPTURABLE_OPS,
                         prepare=cuda.prepare if target == "cuda" else None,
                         meta_stand_ins=dict(cuda.META_STAND_INS), direct_calls=dict(_CUDA_DIRECT),
+                        traced_launches=dict(cuda.TRACED) if target == "cuda" else {},
                         variants={torch.ops.graphopt.lora_down.default: cuda.lora_down_variant,
                                   torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
                                   torch.ops.graphopt.lora_linear_4bit.default: cuda.lora_4bit_variant,

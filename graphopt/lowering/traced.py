@@ -1,0 +1,134 @@
+"""Traced launches: a graphopt op's launch function, traced over the graph's symbolic sizes into the graph itself,
+so that Inductor launches graphopt's Triton kernels from its generated code.
+
+Where CUDA graphs are off (dynamic shapes under cuda_graphs="auto"), the host launches every kernel of the step,
+and a step of small batches waits for it: a Triton launch from Python costs 25–50 µs of host time, and a LoRA
+layer's launch functions (sizes, splits, configs, allocations) as much again (benchmarks/RESULTS.md, SFT X).
+Traced, the launch function runs once, when the graph compiles: its Triton launches become
+torch.library.wrap_triton nodes, its allocations and cuBLAS matmuls aten nodes, its sizes and grids expressions of
+the graph's symbols. Inductor compiles the kernels with the graph and launches them from its wrapper, the
+decisions already made (the packed 1B step 1.86× faster: RESULTS.md, SFT Y). The launch functions make their
+decisions without branching on a symbolic size (kernels/lora.py), so the trace adds no guard.
+
+The configs the trace takes are those an eager launch finds to fit the GPU's shared memory (kernels/lora.py
+_fitting): each op is launched once eagerly first, on small tensors of its dtypes and rank. Where the trace cannot
+be made or checked, the op is called directly instead (lowering/direct.py) and the report's notes say so.
+"""
+
+import torch
+import torch.utils._pytree as pytree
+from torch._dispatch.python import enable_python_dispatcher
+from torch._guards import detect_fake_mode
+from torch._inductor.decomposition import select_decomp_table
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphopt.kernels import layout
+
+_PROBED = set()  # _probe's keys: launched eagerly once in this process
+
+
+def inline(graph: torch.fx.Graph, node: torch.fx.Node, function, traces: dict) -> None:
+    """Replaces node (a call of a graphopt op) by the trace of function(*node.args, **node.kwargs). traces: the
+    graph's traces so far, by op and inputs; a node whose op and inputs (shapes as expressions of the graph's
+    symbols, strides, dtypes, the other arguments) match one traced before takes a copy of its trace: a model's
+    layers repeat a few such calls dozens of times, and a trace takes a fifth of a second."""
+    flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+    inputs = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.fx.Node)]
+    values = [flat[i].meta["val"] for i in inputs]
+    key = (node.target, repr(spec), tuple(_signature(v) for v in values),
+           tuple(leaf for i, leaf in enumerate(flat) if i not in inputs))
+    copy = key in traces
+    if not copy:
+        _probe(node.target, function, flat, spec, inputs, values)
+        traces[key] = _trace(node.target, function, flat, spec, inputs, values)
+    env = {}
+    placeholders = iter(inputs)
+    with graph.inserting_before(node), detect_fake_mode(values), enable_python_dispatcher():
+        for n in traces[key].graph.nodes:
+            if n.op == "placeholder":
+                env[n] = flat[next(placeholders)]
+            elif n.op == "output":
+                outputs = pytree.tree_map(lambda a: env[a] if isinstance(a, torch.fx.Node) else a, n.args[0])
+            else:
+                env[n] = new = graph.node_copy(n, lambda a: env[a])
+                if copy:  # its own fake values: a copy's tensors alias those of its own trace only
+                    args, kwargs = torch.fx.map_arg((new.args, new.kwargs), lambda a: a.meta["val"])
+                    new.meta["val"] = new.target(*args, **kwargs)
+    if isinstance(outputs, (tuple, list)):
+        for user in list(node.users):  # operator.getitem(node, i)
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(outputs)
+    graph.erase_node(node)
+
+
+def _trace(op, function, flat, spec, inputs, values) -> torch.fx.GraphModule:
+    def call(*tensors):
+        leaves = list(flat)
+        for i, tensor in zip(inputs, tensors):
+            leaves[i] = tensor
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        with layout.launches_traced():
+            return function(*args, **kwargs)
+
+    with detect_fake_mode(values), enable_python_dispatcher():
+        # in Inductor's decompositions, which the graph it joins has been through (aten.t as a permute, ...)
+        traced = make_fx(torch.func.functionalize(call), select_decomp_table(), tracing_mode="real")(*values)
+    _check_writes(traced.graph, op)
+    return traced
+
+
+def _signature(value):
+    """What a trace reads of an input: a tensor's sizes and strides (as expressions of the graph's symbols), dtype
+    and device; a symbolic size's expression."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(map(str, value.shape)), tuple(map(str, value.stride())), str(value.storage_offset()),
+                value.dtype, value.device)
+    return str(value)
+
+
+def _check_writes(graph: torch.fx.Graph, op) -> None:
+    """The trace writes only tensors it allocated. torch's analysis of which arguments a Triton kernel writes
+    (its TTIR) can fail, and then takes every argument as written: the graph would copy the op's inputs around
+    each launch and write the copies back into them."""
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            raise NotImplementedError(f"{op}: its launch function made a tensor constant")
+        if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
+            written = [n.kwargs["kwargs"][name] for name in n.kwargs["tensors_to_clone"]]
+            if any(w.target is not torch.ops.aten.empty.memory_format for w in written):
+                raise NotImplementedError(f"{op}: a kernel's writes were not found (torch's analysis of its "
+                                          f"TTIR), so it would be taken to write its inputs")
+
+
+def _probe(op, function, flat, spec, inputs, values) -> None:
+    """function launched once on small real tensors, outside the fake mode: the configs it takes are compiled and
+    fitted to the GPU (kernels/lora.py _fitting) before the trace records them. A config's shared memory follows
+    the dtypes and the rank (BLOCK_R), not the other sizes: every size above PROBE_SIZE is cut to it, so that the
+    probe, which may run inside a training step (a backward graph compiles at its first run), reserves a few MiB.
+    Once per op, inputs' dtypes and ranks, and the other arguments."""
+    key = (op,) + tuple((v.dtype, v.dim(), str(v.device)) if isinstance(v, torch.Tensor) else type(v)
+                        for v in values) + tuple(leaf for i, leaf in enumerate(flat) if i not in inputs
+                                                 if isinstance(leaf, (int, float, bool, str, torch.dtype)))
+    if key in _PROBED:
+        return
+    with unset_fake_temporarily(), torch.no_grad():
+        leaves = list(flat)
+        for i, v in zip(inputs, values):
+            leaves[i] = (torch.zeros([_small(d) for d in v.shape], dtype=v.dtype, device=v.device)
+                         if isinstance(v, torch.Tensor) else _small(v))
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        function(*args, **kwargs)
+    _PROBED.add(key)
+
+
+PROBE_SIZE = 1024  # above the LoRA ranks in use (PEFT's r), which must stay as they are; 4 MiB a tensor at most
+
+
+def _small(size):
+    """A size for the probe: its value where the graph was traced (a symbolic size's hint), at most PROBE_SIZE.
+    One size maps to one size, so that the inputs' sizes still agree with each other."""
+    value = size.node.hint if isinstance(size, torch.SymInt) else size
+    return min(value, PROBE_SIZE) if isinstance(value, int) else value
