@@ -56,7 +56,7 @@ class DirectCalls(CustomGraphPass):
     or, for the ops in traced (graphopt op → its launch function), traces the launch function into the graph
     (lowering/traced.py); after the post-grad passes the user had set in the same place (Inductor's config holds
     one: graphopt's must not replace them), which see the contract's ops. An op whose trace fails is called
-    directly, and the failure is logged and kept in `untraced`."""
+    directly in the rest of that graph, and the failure is logged and kept in `untraced`."""
 
     def __init__(self, calls: dict, traced: dict = None, before=None):
         self.calls = calls
@@ -67,16 +67,17 @@ class DirectCalls(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         for user_pass in self.before:
             user_pass(graph)
-        traces = {}
+        traces, failed = {}, set()
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target not in self.calls:
                 continue
-            if node.target in self.traced:
+            if node.target in self.traced and node.target not in failed:
                 try:
                     traced_launches.inline(graph, node, self.traced[node.target], traces)
                     continue
-                except Exception as error:  # the op still runs, called directly
+                except Exception as error:  # the op still runs, called directly, here and in the rest of the graph
                     log.warning("graphopt: %s called directly, its launches not traced: %s", node.target, error)
+                    failed.add(node.target)
                     self.untraced.append((str(node.target), repr(error)))
             node.target = self.calls[node.target]
 

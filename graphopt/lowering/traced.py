@@ -42,19 +42,25 @@ def inline(graph: torch.fx.Graph, node: torch.fx.Node, function, traces: dict) -
     if not copy:
         _probe(node.target, function, flat, spec, inputs, values)
         traces[key] = _trace(node.target, function, flat, spec, inputs, values)
-    env = {}
+    env, added = {}, []
     placeholders = iter(inputs)
-    with graph.inserting_before(node), detect_fake_mode(values), enable_python_dispatcher():
-        for n in traces[key].graph.nodes:
-            if n.op == "placeholder":
-                env[n] = flat[next(placeholders)]
-            elif n.op == "output":
-                outputs = pytree.tree_map(lambda a: env[a] if isinstance(a, torch.fx.Node) else a, n.args[0])
-            else:
-                env[n] = new = graph.node_copy(n, lambda a: env[a])
-                if copy:  # its own fake values: a copy's tensors alias those of its own trace only
-                    args, kwargs = torch.fx.map_arg((new.args, new.kwargs), lambda a: a.meta["val"])
-                    new.meta["val"] = new.target(*args, **kwargs)
+    try:
+        with graph.inserting_before(node), detect_fake_mode(values), enable_python_dispatcher():
+            for n in traces[key].graph.nodes:
+                if n.op == "placeholder":
+                    env[n] = flat[next(placeholders)]
+                elif n.op == "output":
+                    outputs = pytree.tree_map(lambda a: env[a] if isinstance(a, torch.fx.Node) else a, n.args[0])
+                else:
+                    env[n] = new = graph.node_copy(n, lambda a: env[a])
+                    added.append(new)
+                    if copy:  # its own fake values: a copy's tensors alias those of its own trace only
+                        args, kwargs = torch.fx.map_arg((new.args, new.kwargs), lambda a: a.meta["val"])
+                        new.meta["val"] = new.target(*args, **kwargs)
+    except Exception:  # the graph as it was: the caller calls the op instead
+        for new in reversed(added):
+            graph.erase_node(new)
+        raise
     if isinstance(outputs, (tuple, list)):
         for user in list(node.users):  # operator.getitem(node, i)
             user.replace_all_uses_with(outputs[user.args[1]])
