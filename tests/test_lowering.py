@@ -175,7 +175,6 @@ def test_compiled_graphs_call_the_ops_without_custom_op_layers():
     assert all(relative_error(g, e) <= 1e-5 for g, e in zip(grads, expected))
 
 
-
 @pytest.mark.parametrize("name", ["lora_down", "lora_linear", "lora_linear_backward"])
 def test_direct_ops_pass_opcheck_and_equal_the_contracts_op(name):
     """A direct op (lowering/direct.py) is the graphopt op's schema, fake and kernel without custom_op's layers:
@@ -220,7 +219,6 @@ def test_dynamic_graphs_launch_the_lora_kernels_from_inductors_code():
     called = {e.name for e in profile.events() if "lora" in e.name and "graphopt" in e.name}
     assert not called, called
     assert any("traced into the graphs" in note and "lora_linear" in note for note in reports()[-1].notes)
-
 
 
 def test_traced_launches_add_no_guard_and_repeat_one_trace_per_call():

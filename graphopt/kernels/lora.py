@@ -294,7 +294,7 @@ def _launch_options(config):
 def _sum_splits(partial, first, second, splits, platform, scale_first=1.0):
     """first, second = scale_first · Σ_split partial[split], Σ_split partial[split], partial[split] holding
     first's elements, then second's."""
-    size = first.numel() + (0 if second is first else second.numel())
+    size = partial[0].numel()
     config = CONFIGS[platform]["sum_splits"]
     layout.launcher(_sum_splits_kernel)[(layout.cdiv(size, config["BLOCK"]),)](
         partial, first, second, splits, first.numel(), size, scale_first, **config)

@@ -114,17 +114,16 @@ def _probe(op, function, flat, spec, inputs, values) -> None:
     fitted to the GPU (kernels/lora.py _fitting) before the trace records them. A config's shared memory follows
     the dtypes and the rank (BLOCK_R), not the other sizes: every size above PROBE_SIZE is cut to it, so that the
     probe, which may run inside a training step (a backward graph compiles at its first run), reserves a few MiB.
-    Once per op, inputs' dtypes and ranks, and the other arguments."""
-    key = (op,) + tuple((v.dtype, v.dim(), str(v.device)) if isinstance(v, torch.Tensor) else type(v)
-                        for v in values) + tuple(leaf for i, leaf in enumerate(flat) if i not in inputs
-                                                 if isinstance(leaf, (int, float, bool, str, torch.dtype)))
+    Once per op, probe inputs (their dtypes and cut sizes, which keep the rank) and other arguments."""
+    small = [(v.dtype, v.device, tuple(_small(d) for d in v.shape)) if isinstance(v, torch.Tensor) else _small(v)
+             for v in values]
+    key = (op, tuple(small), tuple(leaf for i, leaf in enumerate(flat) if i not in inputs))
     if key in _PROBED:
         return
     with unset_fake_temporarily(), torch.no_grad():
         leaves = list(flat)
-        for i, v in zip(inputs, values):
-            leaves[i] = (torch.zeros([_small(d) for d in v.shape], dtype=v.dtype, device=v.device)
-                         if isinstance(v, torch.Tensor) else _small(v))
+        for i, v in zip(inputs, small):
+            leaves[i] = torch.zeros(v[2], dtype=v[0], device=v[1]) if isinstance(v, tuple) else v
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         function(*args, **kwargs)
     _PROBED.add(key)
