@@ -457,11 +457,15 @@ def print_memory_at_peak(forward, optimizer, batch, device, top=30, autocast=Non
     torch.cuda.memory._record_memory_history(enabled=None)
     peak, at_peak = allocations_at_peak(events, start)
 
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    # Inductor's generated code lives in its cache folder (TORCHINDUCTOR_CACHE_DIR moves it)
+    sources = ("graphopt", cache_dir(), "/transformers/", "/peft/", "/kernels/", "/lowering/", "/torch/optim/")
+
     def origin(event):
         for frame in event["frames"]:
             name = frame["filename"]
-            if any(part in name for part in ("graphopt", "torchinductor", "/transformers/", "/peft/", "/kernels/",
-                                             "/lowering/", "/torch/optim/")):
+            if any(part in name for part in sources):
                 text = linecache.getline(name, frame["line"]).strip()
                 return f"{'/'.join(name.split('/')[-2:])}:{frame['line']} {frame['name']}: {text[:90]}"
         frames = event["frames"]

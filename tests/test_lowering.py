@@ -221,6 +221,36 @@ def test_dynamic_graphs_launch_the_lora_kernels_from_inductors_code():
     assert any("traced into the graphs" in note and "lora_linear" in note for note in reports()[-1].notes)
 
 
+def _scheduled(name, reads=(), allocation=False):
+    """A scheduler node as allocations_beside_their_first_reader reads one: an allocation (aten.empty, which
+    computes nothing) or a kernel reading the buffers named."""
+    from types import SimpleNamespace
+
+    from torch._inductor.scheduler import BaseSchedulerNode, NopKernelSchedulerNode
+
+    node = object.__new__(NopKernelSchedulerNode if allocation else BaseSchedulerNode)
+    node.read_writes = SimpleNamespace(reads=[SimpleNamespace(name=r) for r in reads])
+    node.unmet_dependencies = ()
+    node.get_buffer_names = lambda: {name}
+    node.name = name
+    return node
+
+
+def test_allocations_move_beside_their_first_reader():
+    """Inductor's peak-memory order may allocate a traced launch's output (an aten.empty, ready from the graph's
+    start) long before its kernel: each allocation moves to just before its first reader, the rest keeps its
+    order, and an allocation nothing reads (a graph output) stays where it was."""
+    from graphopt.lowering import cuda
+
+    a, b, out = (_scheduled(n, allocation=True) for n in ("a", "b", "out"))
+    x, y = _scheduled("x"), _scheduled("y")
+    first, second, third = _scheduled("first", ["a"]), _scheduled("second", ["b", "a"]), _scheduled("third", ["b"])
+    moved = cuda.allocations_beside_their_first_reader([a, b, x, out, first, y, second, third])
+    assert [n.name for n in moved] == ["x", "out", "a", "first", "y", "b", "second", "third"]
+    unmoved = [x, out, y]
+    assert cuda.allocations_beside_their_first_reader(unmoved) is unmoved
+
+
 def test_traced_launches_add_no_guard_and_repeat_one_trace_per_call():
     """lowering/traced.py on the NVIDIA launch path, without a GPU (tests/traced_launches.py, in a process of its
     own: Triton's interpreter, which the CPU tests use, cannot be traced): each LoRA op becomes its Triton launches

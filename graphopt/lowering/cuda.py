@@ -8,6 +8,7 @@ import os
 
 import torch
 from torch._inductor import config as inductor_config, ir, memory
+from torch._inductor.scheduler import NopKernelSchedulerNode
 
 from graphopt.lowering import direct, ops
 from graphopt.passes.match import value
@@ -161,17 +162,47 @@ def extracted_outputs_beside_their_kernel(nodes: list) -> list:
     return ordered if len(ordered) == len(nodes) else nodes  # a tuple made elsewhere: the order as it was
 
 
-def keep_extracted_outputs_in_their_partition() -> None:
-    """Wraps Inductor's peak-memory reordering, the scheduler's last, with extracted_outputs_beside_their_kernel
-    wherever a graph is split into CUDA graph partitions: graphopt's cuda_graphs, and any other Inductor compile
-    with graph_partition on in this process (the move changes no result). The scheduler imports the function when
-    it runs it."""
+def allocations_beside_their_first_reader(nodes: list) -> list:
+    """Inductor's scheduler nodes in the order its peak-memory pass chose, each allocation (aten.empty: a node that
+    reads nothing and computes nothing) moved to just before the first node that reads its buffer. The traced
+    launches (lowering/traced.py) allocate their kernels' outputs this way. Such a node is ready from the graph's
+    start, and the pass, which schedules whatever fits under the peak it has estimated so far, may allocate it
+    long before its kernel runs. Moving a node that reads nothing later, up to its first reader, keeps the order
+    valid and holds no buffer longer."""
+    def reads(node):
+        return (dep.name for dep in (*node.read_writes.reads, *node.unmet_dependencies))
+
+    allocations = {name: node for node in nodes
+                   if isinstance(node, NopKernelSchedulerNode) and not node.read_writes.reads
+                   and not node.unmet_dependencies for name in node.get_buffer_names()}
+    read = {name for node in nodes for name in reads(node)}
+    moved = {id(node) for name, node in allocations.items() if name in read}  # the others (outputs) stay
+    if not moved:
+        return nodes
+    ordered = []
+    for node in nodes:
+        if id(node) in moved:
+            continue
+        for name in reads(node):
+            allocation = allocations.get(name)
+            if allocation is not None and id(allocation) in moved:
+                moved.discard(id(allocation))
+                ordered.append(allocation)
+        ordered.append(node)
+    return ordered
+
+
+def order_for_peak_memory() -> None:
+    """Wraps Inductor's peak-memory reordering, the scheduler's last: allocations beside their first reader
+    (allocations_beside_their_first_reader), and extracted_outputs_beside_their_kernel wherever a graph is split
+    into CUDA graph partitions: graphopt's cuda_graphs, and any other Inductor compile with graph_partition on in
+    this process. Neither move changes a result. The scheduler imports the function when it runs it."""
     reorder = memory.reorder_for_peak_memory
     if getattr(reorder, "graphopt", False):
         return
 
     def reorder_for_peak_memory(*args, **kwargs):
-        nodes = reorder(*args, **kwargs)
+        nodes = allocations_beside_their_first_reader(list(reorder(*args, **kwargs)))
         return extracted_outputs_beside_their_kernel(nodes) if inductor_config.graph_partition else nodes
 
     reorder_for_peak_memory.graphopt = True

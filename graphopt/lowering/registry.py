@@ -17,7 +17,7 @@ except ImportError as error:
 else:
     _CUDA_DIRECT = cuda.register()
     cuda.expandable_segments_on_import()
-    cuda.keep_extracted_outputs_in_their_partition()
+    cuda.order_for_peak_memory()
 
 
 _REFERENCES = {op: "pure-torch reference (kernels/reference.py)" for op in ops.ALL_OPS}
