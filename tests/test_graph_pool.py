@@ -249,16 +249,25 @@ def test_outputs_taken_out_of_a_tuple_follow_their_kernel():
 def test_inductor_runs_its_peak_memory_order_through_the_move(partitions, monkeypatch, fresh_dynamo):
     """The move above patches torch's internals: Inductor's scheduler must still look its peak-memory reordering up
     when it runs it (torch 2.11 and 2.13 do). With graph partitions on, a compile reaches the move; off, it does
-    not. The allocations' move (tests/test_lowering.py) is reached either way."""
+    not. The allocations' move (tests/test_lowering.py) is reached in a graph with graphopt's traced launches
+    (its post-grad pass, with ops to trace), either way, and in no other."""
+    from graphopt.lowering.direct import DirectCalls
+
     seen, allocations = [], []
     move, allocations_move = cuda.extracted_outputs_beside_their_kernel, cuda.allocations_beside_their_first_reader
     monkeypatch.setattr(cuda, "extracted_outputs_beside_their_kernel", lambda nodes: seen.append(nodes) or move(nodes))
     monkeypatch.setattr(cuda, "allocations_beside_their_first_reader",
                         lambda nodes: allocations.append(nodes) or allocations_move(nodes))
-    with torch._inductor.config.patch(graph_partition=partitions, fx_graph_cache=False):
-        torch.compile(lambda x: (x.sin() @ x).cos().sum(), backend="inductor")(torch.randn(8, 8))
-    assert bool(seen) is partitions
-    assert allocations
+    traced = DirectCalls({}, dict(cuda.TRACED))
+    for calls, moved in ((None, False), (traced, True)):
+        seen.clear()
+        allocations.clear()
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(graph_partition=partitions, fx_graph_cache=False,
+                                          post_grad_custom_post_pass=calls):
+            torch.compile(lambda x: (x.sin() @ x).cos().sum(), backend="inductor")(torch.randn(8, 8))
+        assert bool(seen) is partitions
+        assert bool(allocations) is moved
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

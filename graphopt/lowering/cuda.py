@@ -192,17 +192,27 @@ def allocations_beside_their_first_reader(nodes: list) -> list:
     return ordered
 
 
+def _launches_traced() -> bool:
+    """Whether the graph Inductor schedules is one of graphopt's whose launch functions are traced into it
+    (lowering/traced.py): its post-grad pass is graphopt's, with ops to trace."""
+    calls = inductor_config.post_grad_custom_post_pass
+    return isinstance(calls, direct.DirectCalls) and bool(calls.traced)
+
+
 def order_for_peak_memory() -> None:
     """Wraps Inductor's peak-memory reordering, the scheduler's last: allocations beside their first reader
-    (allocations_beside_their_first_reader), and extracted_outputs_beside_their_kernel wherever a graph is split
-    into CUDA graph partitions: graphopt's cuda_graphs, and any other Inductor compile with graph_partition on in
-    this process. Neither move changes a result. The scheduler imports the function when it runs it."""
+    (allocations_beside_their_first_reader) in graphs with traced launches, and
+    extracted_outputs_beside_their_kernel wherever a graph is split into CUDA graph partitions: graphopt's
+    cuda_graphs, and any other Inductor compile with graph_partition on in this process. Neither move changes a
+    result. The scheduler imports the function when it runs it."""
     reorder = memory.reorder_for_peak_memory
     if getattr(reorder, "graphopt", False):
         return
 
     def reorder_for_peak_memory(*args, **kwargs):
-        nodes = allocations_beside_their_first_reader(list(reorder(*args, **kwargs)))
+        nodes = reorder(*args, **kwargs)
+        if _launches_traced():
+            nodes = allocations_beside_their_first_reader(list(nodes))
         return extracted_outputs_beside_their_kernel(nodes) if inductor_config.graph_partition else nodes
 
     reorder_for_peak_memory.graphopt = True
