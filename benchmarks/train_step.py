@@ -484,6 +484,16 @@ def print_memory_at_peak(forward, optimizer, batch, device, top=30, autocast=Non
           file=sys.stderr)
     for (size, where), count in sorted(groups.items(), key=lambda kv: -kv[0][0] * kv[1])[:top]:
         print(f"  {count:>3} × {size / 2**20:9.1f} MiB  {where}", file=sys.stderr)
+    # Where the peak falls (a forward's or a backward's generated code), and what each file holds then: the
+    # listing above names lines, and a graph's saved activations spread over many of them
+    if at_peak:
+        print(f"  reached at: {origin(list(at_peak.values())[-1])}", file=sys.stderr)
+    files = {}
+    for (size, where), count in groups.items():
+        name = where.split(":")[0]
+        files[name] = files.get(name, 0) + size * count
+    for name, size in sorted(files.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {size / 2**20:9.1f} MiB in all from {name}", file=sys.stderr)
 
 
 def run(args):
