@@ -255,7 +255,9 @@ def test_traced_launches_add_no_guard_and_repeat_one_trace_per_call():
     """lowering/traced.py on the NVIDIA launch path, without a GPU (tests/traced_launches.py, in a process of its
     own: Triton's interpreter, which the CPU tests use, cannot be traced): each LoRA op becomes its Triton launches
     (wrap_triton), allocations and matmuls over the symbolic token count, without a guard on it, and a model's
-    repeated calls copy one trace per op."""
+    repeated calls copy one trace per op. Lowered by Inductor, each layer's input and gradient (pointwise values)
+    are computed into one buffer each, however many kernels read them: without lowering/traced.py's _realized,
+    Inductor computes a copy for each Triton kernel that reads one (x twice, the gradient three times a layer)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("traced_launches.py")
     run = subprocess.run([sys.executable, str(script), "3"], env=env, capture_output=True, text=True, timeout=600)
@@ -266,6 +268,7 @@ def test_traced_launches_add_no_guard_and_repeat_one_trace_per_call():
     assert result["addmms"] == 3 * 2  # x·Wᵀ, dY·W
     assert result["traces"] == 3  # one per op
     assert "lora_down, lora_linear, lora_linear_backward are traced into the graphs" in result["note"]
+    assert result["buffers_per_input"] == {"x_1": 3, "w_1": 0, "a_1": 0, "b_1": 0, "grad_1": 3}
 
 
 def test_an_op_whose_trace_fails_is_called_directly_and_the_note_says_so(monkeypatch):

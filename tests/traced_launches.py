@@ -3,16 +3,20 @@
     python tests/traced_launches.py LAYERS        → one JSON line: what the traced graph holds
 
 A graph of LAYERS LoRA layers' graphopt calls (forward and backward) over a symbolic token count, as Dynamo's
-dynamic graphs have it, goes through the post-grad pass that traces their launch functions. The launch settings are
-NVIDIA's, taken on CPU tensors (kernels/layout.py platform); the eager launch that fits the configs and torch's
-analysis of the kernels' writes need a GPU and stand aside. tests/test_lowering.py runs this in a process of its
-own: Triton's interpreter (which the CPU tests use) makes kernels that cannot be traced.
+dynamic graphs have it, goes through the post-grad pass that traces their launch functions, then through
+Inductor's lowering (its IR, without code generation). Each layer's input and gradient are pointwise values
+computed in the graph, as a model's are. The launch settings are NVIDIA's, taken on CPU tensors (kernels/layout.py
+platform); the eager launch that fits the configs needs a GPU and stands aside, and torch's analysis of which
+arguments a kernel writes (it compiles the kernel for the GPU) gives way to the kernels' declared outputs.
+tests/test_lowering.py runs this in a process of its own: Triton's interpreter (which the CPU tests use) makes
+kernels that cannot be traced.
 """
 
 import json
 import sys
 
 import torch
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -27,10 +31,13 @@ def lora_calls_over_symbolic_tokens(layers):
 
     def step(x, w, a, b, grad):
         outputs = []
-        for _ in range(layers):
-            xa = ops.lora_down(x, a)
-            outputs += [ops.lora_linear(x, w, None, a, b, xa, 2.0, torch.bfloat16),
-                        *ops.lora_linear_backward(grad, x, xa, w, a, b, 2.0)]
+        for layer in range(layers):
+            # values Inductor computes, not yet in buffers of their own when the LoRA ops read them (a light
+            # pointwise op: on the CPU Inductor puts a reused exp or sigmoid in a buffer at once, not on the GPU)
+            x_layer, grad_layer = x * (layer + 2), grad * (layer + 2)
+            xa = ops.lora_down(x_layer, a)
+            outputs += [ops.lora_linear(x_layer, w, None, a, b, xa, 2.0, torch.bfloat16),
+                        *ops.lora_linear_backward(grad_layer, x_layer, xa, w, a, b, 2.0)]
         return outputs
 
     shape_env = ShapeEnv()
@@ -47,7 +54,53 @@ def lora_calls_over_symbolic_tokens(layers):
         return make_fx(step, tracing_mode="real")(x, w, a, b, grad), shape_env
 
 
+# Each graphopt kernel's outputs, the arguments it writes (kernels/lora.py)
+WRITES = {"_project_kernel": ("Y",), "_reduce_rows_pair_kernel": ("P",), "_sum_splits_kernel": ("FIRST", "SECOND"),
+          "_add_low_rank_kernel": ("OUT",)}
+
+
+def declared_accesses(kernel, kwargs, tma_descriptor_metadata):
+    """torch's analysis of the arguments a Triton kernel reads and writes, from WRITES: every tensor read, the
+    outputs written."""
+    from torch._higher_order_ops.triton_kernel_wrap import TensorAccesses
+    from torch._inductor.dependencies import ReadWrites, StarDep
+    from torch._inductor.ir import TensorBox
+    from torch.utils._ordered_set import OrderedSet
+
+    tensors = [name for name, value in kwargs.items() if isinstance(value, (torch.Tensor, TensorBox))]
+    written = WRITES[getattr(kernel, "fn", kernel).__name__]
+    return TensorAccesses(ReadWrites(reads=OrderedSet(StarDep(name) for name in tensors),
+                                     writes=OrderedSet(StarDep(name) for name in tensors if name in written),
+                                     index_exprs=OrderedSet()), can_fuse_epilogue=False)
+
+
+def buffers_per_value(gm, shape_env):
+    """Inductor's lowering of gm (after the post-grad passes that follow graphopt's: reinplacing, the functional
+    Triton calls made mutating), without code generation: for each graph input, how many buffers compute a value
+    from it. One per layer when each value the LoRA ops read is computed once, whatever number of kernels read it."""
+    from torch._inductor.fx_passes.post_grad import decompose_triton_kernel_wrapper_functional
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
+    from torch._inductor.fx_utils import FakeTensorUpdater
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.ir import ComputedBuffer
+    from torch._inductor.virtualized import V
+
+    reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+    decompose_triton_kernel_wrapper_functional(gm.graph)
+    gm.recompile()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = [n.meta["val"] for n in placeholders]
+    graph = GraphLowering(gm, example_inputs=inputs, shape_env=shape_env)
+    with V.set_graph_handler(graph), V.set_fake_mode(detect_fake_mode(inputs)):
+        graph.run(*inputs)
+        reads = [{dep.name for dep in buffer.get_read_writes().reads}
+                 for buffer in graph.buffers if isinstance(buffer, ComputedBuffer)]
+    return {n.name: sum(n.name in names for names in reads) for n in placeholders}
+
+
 def main(layers):
+    from torch._higher_order_ops import triton_kernel_wrap
+
     from graphopt.kernels import layout
     from graphopt.lowering import registry, traced
     from graphopt.lowering.direct import DirectCalls, traced_note
@@ -55,7 +108,7 @@ def main(layers):
     layout.platform = lambda t: "cuda"
     layout.multiprocessors = lambda device: 132  # the H100's and H200's
     traced._probe = lambda *args: None
-    traced._check_writes = lambda graph, op: None
+    triton_kernel_wrap.identify_accessed_tensors = declared_accesses
     traces = []
     trace = traced._trace
     traced._trace = lambda *args: traces.append(str(args[0])) or trace(*args)
@@ -72,6 +125,7 @@ def main(layers):
         "traces": len(traces),
         "guards": [str(guard.expr) for guard in shape_env.guards],
         "note": traced_note(calls),
+        "buffers_per_input": buffers_per_value(gm, shape_env),
     }))
 
 

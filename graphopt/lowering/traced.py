@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -74,7 +75,7 @@ def _trace(op, function, flat, spec, inputs, values) -> torch.fx.GraphModule:
     def call(*tensors):
         leaves = list(flat)
         for i, tensor in zip(inputs, tensors):
-            leaves[i] = tensor
+            leaves[i] = _realized(tensor)
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         with layout.launches_traced():
             return function(*args, **kwargs)
@@ -84,6 +85,26 @@ def _trace(op, function, flat, spec, inputs, values) -> torch.fx.GraphModule:
         traced = make_fx(torch.func.functionalize(call), select_decomp_table(), tracing_mode="real")(*values)
     _check_writes(traced.graph, op)
     return traced
+
+
+def _realized(value):
+    """value through an identity as_strided where it is a contiguous tensor, so that Inductor computes it once,
+    into a buffer of its own that the op's kernels read through views. Inductor gives a user-defined Triton kernel's
+    arguments the strides the trace saw, and an argument it has not yet put in a buffer (a pointwise value: the
+    gated activation's output, a norm's, their gradients) it computes again for each kernel that reads it: at the
+    MLP, the activation twice in the forward and each of its two gradients three times in the backward, [tokens, MLP
+    width] each (benchmarks/RESULTS.md, SFT AA). as_strided's input, instead, Inductor lays out in a buffer with the
+    trace's strides where it is computed (the strides exactly for a value, only their order for a view: hence
+    contiguous values only, whose layout a view of a contiguous buffer keeps too)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    contiguous = make_contiguous_strides_for(value.shape)
+    # compared as expressions of the graph's symbols, so that the check adds no guard; a dimension of one element
+    # (static: a dynamic size is at least 2) may have any stride
+    if any(str(have) != str(want) for have, want, size in zip(value.stride(), contiguous, value.shape)
+           if not (isinstance(size, int) and size == 1)):
+        return value
+    return torch.as_strided(value, value.shape, value.stride(), value.storage_offset())
 
 
 def _signature(value):
