@@ -74,7 +74,7 @@ def declared_accesses(kernel, kwargs, tma_descriptor_metadata):
                                      index_exprs=OrderedSet()), can_fuse_epilogue=False)
 
 
-def buffers_per_value(gm, shape_env):
+def buffers_per_input(gm, shape_env):
     """Inductor's lowering of gm (after the post-grad passes that follow graphopt's: reinplacing, the functional
     Triton calls made mutating), without code generation: for each graph input, how many buffers compute a value
     from it. One per layer when each value the LoRA ops read is computed once, whatever number of kernels read it."""
@@ -125,7 +125,7 @@ def main(layers):
         "traces": len(traces),
         "guards": [str(guard.expr) for guard in shape_env.guards],
         "note": traced_note(calls),
-        "buffers_per_input": buffers_per_value(gm, shape_env),
+        "buffers_per_input": buffers_per_input(gm, shape_env),
     }))
 
 
