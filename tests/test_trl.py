@@ -392,6 +392,20 @@ def test_other_trl_releases_are_not_exposed_and_say_so(monkeypatch):
     assert miss.pattern == "trl_logprobs" and miss.source.startswith("trl/trainer/utils.py")
 
 
+def test_an_unexposed_head_is_found_where_trl_is_installed_outside_site_packages(monkeypatch):
+    """TRL on PYTHONPATH (`pip install --target DIR`): the report keeps the frame's whole path, and the graph TRL's
+    forward contributed to still says why the head is not in it."""
+    monkeypatch.setattr(fuse_trl_logprob, "NOT_EXPOSED", "TRL 1.15.0's head is not shown to Dynamo")
+    gm = torch.fx.symbolic_trace(lambda mask, x: x.new_zeros(mask.shape).masked_scatter(mask, x))
+    for node in gm.graph.nodes:  # what Dynamo records for the masked_scatter after TRL's head
+        node.meta["stack_trace"] = ('  File "/work/run/.site/trl/trainer/utils.py", line 1652, in <genexpr>\n'
+                                    '    None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)\n')
+    report = Plan(graph=0)
+    fuse(gm, report)
+    (miss,) = report.misses
+    assert miss.pattern == "trl_logprobs" and miss.source == "/work/run/.site/trl/trainer/utils.py:1652"
+
+
 # --- TRL's trainers on a model compiled by graphopt ----------------------------------------------------------------
 
 PREFERENCES = Path(__file__).parent / "data" / "preferences.json"  # prompt / chosen / rejected triples
