@@ -38,7 +38,6 @@ import importlib.metadata
 import importlib.util
 import inspect
 import operator
-import re
 
 import torch
 from torch.fx import GraphModule, Node
@@ -58,9 +57,6 @@ _PARAMETERS = ("ctx", "hidden", "weight", "bias", "targets", "temperature", "chu
                "logit_scale", "outputs")
 # the Function's outputs, by position; the op returns them at the same positions (then log_z)
 _OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-# TRL's patched forward (add_fused_lm_head), wherever TRL is installed: site-packages, or a folder on PYTHONPATH
-# (`pip install --target`), whose path the report keeps whole
-_TRL_FORWARD = re.compile(r"(^|/)trl/trainer/utils\.py:\d+$")
 
 
 def _trl_version() -> str:
@@ -234,6 +230,8 @@ def fuse_trl_logprob(gm: GraphModule, report) -> int:
 def _miss_unexposed_head(gm: GraphModule, report) -> None:
     """Another TRL release's head is never in a graph: a graph that TRL's patched forward contributed to says why."""
     for node in gm.graph.nodes:
-        if _TRL_FORWARD.search(source_location(node)):  # traced in TRL's forward, not the backbone
+        # traced in TRL's forward (add_fused_lm_head), not the backbone; TRL may be installed outside site-packages
+        # (`pip install --target` onto PYTHONPATH), whose paths the report keeps whole
+        if "trl/trainer/utils.py:" in source_location(node):
             report.misses.append(record_for(node, PATTERN, NOT_EXPOSED))
             return
