@@ -292,3 +292,41 @@ def test_an_op_whose_trace_fails_is_called_directly_and_the_note_says_so(monkeyp
     note = traced_note(calls)
     assert note.startswith("CUDA graphs off: lora_down, lora_linear, lora_linear_backward called directly")
     assert "no GPU driver" in note
+
+
+@torch.library.custom_op("graphopt_test::allocates_inside", mutates_args=())
+def allocates_inside(x: torch.Tensor) -> torch.Tensor:
+    """An op Inductor calls as a fallback, like attention's backward: what it allocates while it runs, Inductor's
+    estimate of the graph's memory cannot see."""
+    return x.clone()
+
+
+@allocates_inside.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("graphopts", [True, False], ids=["graphopt's graph", "another graph"])
+def test_no_buffer_is_held_for_reuse_across_a_fallback_in_graphopts_graphs(graphopts):
+    """Inductor hands a freed buffer to a later allocation of its size where its estimate of the live memory has
+    room: across a fallback op the estimate misses what the op allocates, so in graphopt's graphs the buffer is
+    freed at its last use instead (lowering/cuda.py reuse_where_the_estimate_sees). Other graphs keep Inductor's
+    choice."""
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    from graphopt.lowering.direct import DirectCalls
+
+    def step(x):
+        first = allocates_inside(torch.sin(x) * 3)  # sin·3 is a buffer of x's size, free after this op
+        second = allocates_inside(first)
+        return torch.cos(second) * 2, first, second  # a new buffer of that size, after the second op
+
+    post_pass = DirectCalls({}) if graphopts else None
+    with config.patch(post_grad_custom_post_pass=post_pass, fx_graph_cache=False):
+        torch._dynamo.reset()
+        x = torch.randn(4096)
+        result, (code,) = run_and_get_code(torch.compile(step, backend="inductor"), x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(result[0], torch.cos(torch.sin(x) * 3) * 2)
+    assert ("# reuse" in code) is not graphopts, code

@@ -8,7 +8,9 @@ import os
 
 import torch
 from torch._inductor import config as inductor_config, ir, memory
+from torch._inductor.codegen import wrapper
 from torch._inductor.scheduler import NopKernelSchedulerNode
+from torch._inductor.virtualized import V
 
 from graphopt.lowering import direct, ops
 from graphopt.passes.match import value
@@ -192,11 +194,15 @@ def allocations_beside_their_first_reader(nodes: list) -> list:
     return ordered
 
 
+def _graphopts() -> bool:
+    """Whether the graph Inductor compiles is one of graphopt's: its post-grad pass is graphopt's."""
+    return isinstance(inductor_config.post_grad_custom_post_pass, direct.DirectCalls)
+
+
 def _launches_traced() -> bool:
     """Whether the graph Inductor schedules is one of graphopt's whose launch functions are traced into it
-    (lowering/traced.py): its post-grad pass is graphopt's, with ops to trace."""
-    calls = inductor_config.post_grad_custom_post_pass
-    return isinstance(calls, direct.DirectCalls) and bool(calls.traced)
+    (lowering/traced.py)."""
+    return _graphopts() and bool(inductor_config.post_grad_custom_post_pass.traced)
 
 
 def order_for_peak_memory() -> None:
@@ -217,6 +223,31 @@ def order_for_peak_memory() -> None:
 
     reorder_for_peak_memory.graphopt = True
     memory.reorder_for_peak_memory = reorder_for_peak_memory
+
+
+def reuse_where_the_estimate_sees() -> None:
+    """Wraps Inductor's choice to hand a freed buffer to a later allocation of its size instead of freeing it
+    (AllocateLine.should_reuse_buffer): in graphopt's graphs, declined where an op called as a fallback runs
+    between the two. Inductor reuses a buffer across a stretch of the graph where its estimate of the live memory
+    leaves room for it, and the estimate counts a fallback's outputs, not what the op allocates while it runs:
+    attention's backward, the offload's copies back. There the held buffer does raise the peak. In the lean 8B
+    step, six [tokens, MLP width] buffers of one layer's MLP backward are held through its attention's backward,
+    where the step's peak is, for the next layer's MLP (benchmarks/RESULTS.md, SFT AC). Declined, the buffer is
+    freed at its last use and the caching allocator hands the block on, to whichever allocation comes first."""
+    should_reuse = wrapper.AllocateLine.should_reuse_buffer
+    if getattr(should_reuse, "graphopt", False):
+        return
+
+    def should_reuse_buffer(self, free_line, size):
+        if not should_reuse(self, free_line, size):
+            return False
+        if not _graphopts():
+            return True
+        between = V.graph.scheduler.nodes[free_line.scheduler_node_index + 1:self.scheduler_node_index]
+        return not any(isinstance(getattr(node, "node", None), ir.FallbackKernel) for node in between)
+
+    should_reuse_buffer.graphopt = True
+    wrapper.AllocateLine.should_reuse_buffer = should_reuse_buffer
 
 
 # In compiled graphs these are decomposed below autograd: Inductor then fuses them with their neighbours (the

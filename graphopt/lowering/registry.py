@@ -18,6 +18,7 @@ else:
     _CUDA_DIRECT = cuda.register()
     cuda.expandable_segments_on_import()
     cuda.order_for_peak_memory()
+    cuda.reuse_where_the_estimate_sees()
 
 
 _REFERENCES = {op: "pure-torch reference (kernels/reference.py)" for op in ops.ALL_OPS}
