@@ -74,12 +74,10 @@ def declared_accesses(kernel, kwargs, tma_descriptor_metadata):
                                      index_exprs=OrderedSet()), can_fuse_epilogue=False)
 
 
-def lowered(gm, shape_env):
+def buffers_per_input(gm, shape_env):
     """Inductor's lowering of gm (after the post-grad passes that follow graphopt's: reinplacing, the functional
-    Triton calls made mutating), without code generation: the copies made for kernels that write a tensor in place
-    (none where each written tensor is reinplaced), and for each graph input, how many buffers compute a value
-    from it (one per layer when each value the LoRA ops read is computed once, whatever number of kernels read
-    it)."""
+    Triton calls made mutating), without code generation: for each graph input, how many buffers compute a value
+    from it. One per layer when each value the LoRA ops read is computed once, whatever number of kernels read it."""
     from torch._inductor.fx_passes.post_grad import decompose_triton_kernel_wrapper_functional
     from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
     from torch._inductor.fx_utils import FakeTensorUpdater
@@ -90,7 +88,6 @@ def lowered(gm, shape_env):
     reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
     decompose_triton_kernel_wrapper_functional(gm.graph)
     gm.recompile()
-    copies = sum(n.target is torch.ops.aten.clone.default for n in gm.graph.nodes)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = [n.meta["val"] for n in placeholders]
     graph = GraphLowering(gm, example_inputs=inputs, shape_env=shape_env)
@@ -98,7 +95,7 @@ def lowered(gm, shape_env):
         graph.run(*inputs)
         reads = [{dep.name for dep in buffer.get_read_writes().reads}
                  for buffer in graph.buffers if isinstance(buffer, ComputedBuffer)]
-    return copies, {n.name: sum(n.name in names for names in reads) for n in placeholders}
+    return {n.name: sum(n.name in names for names in reads) for n in placeholders}
 
 
 def main(layers):
@@ -121,16 +118,15 @@ def main(layers):
     calls(gm.graph)
     gm.graph.lint()
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    result = {
+    print(json.dumps({
         "graphopt_calls_left": [str(t) for t in targets if "graphopt" in str(t)],
         "launches": sum(t is torch.ops.higher_order.triton_kernel_wrapper_functional for t in targets),
-        "matmuls": sum(t is torch.ops.aten.mm.default for t in targets),
+        "addmms": sum(t is torch.ops.aten.addmm.default for t in targets),
         "traces": len(traces),
         "guards": [str(guard.expr) for guard in shape_env.guards],
         "note": traced_note(calls),
-    }
-    result["copies"], result["buffers_per_input"] = lowered(gm, shape_env)
-    print(json.dumps(result))
+        "buffers_per_input": buffers_per_input(gm, shape_env),
+    }))
 
 
 if __name__ == "__main__":

@@ -364,15 +364,13 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa, scale_b):
     return grad_a, grad_b
 
 
-def _add_low_rank(xa, weight, stride_wn, stride_wr, scale, out_dtype, n_cols, bias=None, base=None,
-                  in_place=False):
+def _add_low_rank(xa, weight, stride_wn, stride_wr, scale, out_dtype, n_cols, bias=None, base=None):
     """scale · xa · Wᵀ [rows, n_cols] in out_dtype, W given as (tensor, strides of its [n_cols, rank] view), plus
-    bias and base where given, each element rounded once; written into base where in_place (base contiguous, of
-    out_dtype), else into a new tensor."""
+    bias and base where given, each element rounded once."""
     n_rows = xa.shape[0]
     platform = layout.platform(xa)
     block_r = _block_r(xa.shape[1])
-    out = base if in_place else torch.empty((n_rows, n_cols), dtype=out_dtype, device=xa.device)
+    out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=xa.device)
 
     def launch(config):
         grid = (layout.cdiv(n_rows, config["BLOCK_M"]), layout.cdiv(n_cols, config["BLOCK_N"]))
@@ -408,14 +406,16 @@ def lora_linear_forward(x, weight, bias, lora_b, xa, scaling, out_dtype):
     """x·Wᵀ + bias + (xa · Bᵀ) · scaling in out_dtype."""
     rows = as_rows(x, x.shape[-1])
     xa = xa.reshape(-1, xa.shape[-1]).contiguous()  # the kernel reads it as [rows, rank] contiguous
-    # The base matmul first (cuBLAS, rounded to its dtype, as PEFT's base layer rounds it), then the low-rank term
-    # and the bias added onto it in fp32 and rounded once, as PEFT's fp32 addition does; in place where the output
-    # has the base's dtype, so that no second [rows, out] tensor lives beside it (a functional matmul's output
-    # would, where the step's launches are traced: lowering/traced.py). B is [out, rank]: W[n, r] = B[n, r]
-    in_place = out_dtype == rows.dtype
-    base = torch.mm(rows, weight.t()) if in_place else torch.nn.functional.linear(rows, weight, bias)
-    out = _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0],
-                        bias if in_place else None, base=base, in_place=in_place)
+    # B is [out, rank]: W[n, r] = B[n, r]
+    if out_dtype == rows.dtype:
+        # the low-rank term (and the bias) written first, then cuBLAS adds the base matmul onto it (β = 1): the
+        # output is read again in the epilogue of a compute-bound matmul, not in a memory-bound pass of its own
+        out = _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0], bias)
+        out.addmm_(rows, weight.t())
+    else:  # a wider output (PEFT's 4-bit layer under autocast): the base is rounded to its dtype first, as there
+        base = torch.nn.functional.linear(rows, weight, bias)
+        out = _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0],
+                            base=base)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -426,9 +426,8 @@ def lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling):
     grad_xa = _project(grad, lora_b, lora_b.stride(1), lora_b.stride(0), lora_b.shape[1], scaling)
     # d(xa)ᵀ · x [rank, in], scaling · dYᵀ · xa [out, rank]
     grad_a, grad_b = _reduce_rows_pair(rows, grad, xa.reshape(-1, xa.shape[-1]).contiguous(), grad_xa, scaling)
-    # dX = dY·W + d(xa)·A: cuBLAS's dY·W first, then the low-rank term added onto it in place, rounded once (one
-    # [rows, in] tensor, as in the forward); A is [rank, in]: W[n, r] = A[r, n]
-    grad_x = torch.mm(grad.to(weight.dtype), weight)
-    _add_low_rank(grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, rows.shape[1], base=grad_x,
-                  in_place=True)
+    # dX = d(xa)·A + dY·W: the low-rank term rounded to x's dtype (as autograd's accumulation of two gradients
+    # rounds it), then cuBLAS adds dY·W onto it; A is [rank, in]: W[n, r] = A[r, n]
+    grad_x = _add_low_rank(grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, rows.shape[1])
+    grad_x.addmm_(grad.to(weight.dtype), weight)
     return grad_x.view(x.shape), grad_a, grad_b
