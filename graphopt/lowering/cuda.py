@@ -4,6 +4,7 @@ settings by platform, kernels/layout.py); ops listed in DECOMPOSITIONS are inste
 below autograd (their backward formula stays ours), where measurement showed its fused code is faster.
 """
 
+import bisect
 import os
 
 import torch
@@ -243,8 +244,15 @@ def reuse_where_the_estimate_sees() -> None:
             return False
         if not _graphopts():
             return True
-        between = V.graph.scheduler.nodes[free_line.scheduler_node_index + 1:self.scheduler_node_index]
-        return not any(isinstance(getattr(node, "node", None), ir.FallbackKernel) for node in between)
+        # the fallbacks' positions, found once per schedule: a graph asks this for each of thousands of buffers
+        scheduler = V.graph.scheduler
+        fallbacks = getattr(scheduler, "graphopt_fallbacks", None)
+        if fallbacks is None:
+            fallbacks = scheduler.graphopt_fallbacks = [
+                i for i, node in enumerate(scheduler.nodes)
+                if isinstance(getattr(node, "node", None), ir.FallbackKernel)]
+        first = bisect.bisect_right(fallbacks, free_line.scheduler_node_index)
+        return first == len(fallbacks) or fallbacks[first] >= self.scheduler_node_index
 
     should_reuse_buffer.graphopt = True
     wrapper.AllocateLine.should_reuse_buffer = should_reuse_buffer
