@@ -14,6 +14,7 @@
   6. lower      each graphopt op → the target's implementation; the rest → Inductor (or eager)   lowering/
                 after the partition, Inductor's graphs call the ops without custom_op's layers  lowering/direct.py
                 or, CUDA graphs off, hold the LoRA ops' traced launches (Inductor launches them)  lowering/traced.py
+                and the gated activation's backward written over its inputs where they are read no more
   7. report     the plan every stage added to (graphopt/plan.py), published  graphopt/report.py
   8. hand back  outputs not computed become LogitsNotMaterialized      graphopt/logits.py
 
@@ -80,7 +81,6 @@ def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
     note = lowering.prepare(gm) if lowering.prepare and not explain else None
     if note:
         plan.notes.append(note)
-    lowering_registry.record(gm, lowering, plan)
     dynamic = _has_dynamic_shapes(gm, example_inputs)
     if dynamic:
         plan.notes.append(DYNAMIC_SHAPES)
@@ -88,6 +88,7 @@ def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
         training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                    for x in example_inputs)
         plan.cuda_graphs = dict(zip(("on", "why"), cuda_graphs_decision(options, lowering, dynamic, training)))
+    lowering_registry.record(gm, lowering, plan, traced=_launches_traced(lowering, plan, explain))
     try:
         compiled = _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain, saved)
     except RestartAnalysis:  # Dynamo abandons this graph (e.g. to make a float a tensor) and hands over another
@@ -118,6 +119,7 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
     # CUDA graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition).
     # What outlives a step leaves the graphs' memory pool (passes/graph_pool.py): the leaves' gradients.
     graphs = bool(plan.cuda_graphs and plan.cuda_graphs["on"])
+    traced = _launches_traced(lowering, plan, explain)
     leaf_inputs = (tuple(isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad for x in example_inputs)
                    if graphs else None)
     # 5. partition: a stage of its own, called by aot_autograd once it has the joint graph; it adds the memory
@@ -128,12 +130,12 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
     if lowering.inductor and not explain:
         # compile_fx runs aot_autograd, Inductor's joint-graph passes, the partitioner, then its codegen.
         # The target's decompositions apply below autograd: graphopt ops become aten, their backward stays ours.
-        decompositions = lowering_registry.InductorDecompositions(lowering.target)
+        decompositions = lowering_registry.InductorDecompositions(lowering.target, traced)
         # As config_patches, not a config.patch block: they must also reach the backward, compiled at its first run.
         settings = dict(custom_partitioner_fn=partitioner)
         calls = None
         if lowering.direct_calls:  # after the partition, the ops called without custom_op's layers, or traced
-            calls = DirectCalls(lowering.direct_calls, {} if graphs else lowering.traced_launches,
+            calls = DirectCalls(lowering.direct_calls, lowering.traced_launches if traced else {},
                                 torch._inductor.config.post_grad_custom_post_pass)
             settings["post_grad_custom_post_pass"] = calls
         # With fallback_random the random ops (fused LoRA dropout's bernoulli_) call torch's generator in the order
@@ -174,6 +176,14 @@ def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, expla
         partition_fn=partitioner,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
+
+
+def _launches_traced(lowering, plan, explain) -> bool:
+    """Whether the graphs Inductor compiles hold the target's traced launches (lowering/traced.py): where they are
+    not replayed as CUDA graphs, whose replays cost the host nothing a launch."""
+    graphs = bool(plan.cuda_graphs and plan.cuda_graphs["on"])
+    return bool(lowering.inductor and not explain and lowering.direct_calls and lowering.traced_launches
+                and not graphs)
 
 
 def _has_dynamic_shapes(gm, example_inputs) -> bool:

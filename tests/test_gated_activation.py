@@ -46,6 +46,17 @@ def test_kernels_match_fp64(rows, hidden, dtype, activation, seed):
     assert relative_error(h, ref_h) <= TOL[dtype]
     assert relative_error(dg, ref_dg) <= 2 * TOL[dtype]
     assert relative_error(du, ref_du) <= 2 * TOL[dtype]
+    assert_written_over_its_inputs(dh, gate, up, activation, (dg, du))
+
+
+def assert_written_over_its_inputs(dh, gate, up, activation, expected):
+    """The in-place backward (lowering/traced.py traces it where gate and up are read no more): the same numbers
+    as the backward's, in gate's and up's own memory where they are contiguous, else in new tensors."""
+    g, u = gate.clone(memory_format=torch.preserve_format), up.clone(memory_format=torch.preserve_format)
+    dg, du = kernels.gated_activation_backward_in_place(dh, g, u, activation)
+    assert torch.equal(dg, expected[0]) and torch.equal(du, expected[1])
+    in_place = g.dim() >= 2 and g.is_contiguous() and u.is_contiguous()
+    assert (dg.data_ptr() == g.data_ptr() and du.data_ptr() == u.data_ptr()) is in_place
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -61,6 +72,7 @@ def test_chunked_halves_and_extreme_values(activation):
     assert torch.isfinite(h).all() and torch.isfinite(dg).all()
     assert relative_error(h, ref_h) <= 1e-5 and relative_error(dg, ref_dg) <= 1e-5
     assert relative_error(du, ref_du) <= 1e-5
+    assert_written_over_its_inputs(dh, gate, up, activation, (dg, du))
 
 
 def test_reference_backward_is_the_derivative():

@@ -195,15 +195,20 @@ def test_direct_ops_pass_opcheck_and_equal_the_contracts_op(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_dynamic_graphs_launch_the_lora_kernels_from_inductors_code():
+@pytest.mark.parametrize("options", [{}, {"memory_budget": 0, "offload": True}], ids=["defaults", "lean"])
+def test_dynamic_graphs_launch_the_lora_kernels_from_inductors_code(options, monkeypatch):
     """Where CUDA graphs are off (a graph of dynamic shapes), the LoRA ops' launch functions are traced into the
     graphs (lowering/traced.py): Inductor's generated code launches graphopt's kernels, the ops are not called,
-    one dynamic graph serves every later length, and loss and gradients stay eager's."""
+    one dynamic graph serves every later length, and loss and gradients stay eager's. In the lean mode the
+    backward recomputes gate and up, and the gated activation's backward writes its gradients over them."""
+    from graphopt.lowering import traced
     from graphopt.report import reports
 
+    in_place, last_reader = [], traced.last_reader
+    monkeypatch.setattr(traced, "last_reader", lambda *args: in_place.append(last_reader(*args)) or in_place[-1])
     model = tiny_lora_model("llama").cuda()
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="graphopt")
+    compiled = torch.compile(model, backend="graphopt", options=options)
     for length in (12, 20, 28):  # 12: a static graph; 20: the dynamic one, which 28 reuses
         ids = torch.randint(0, model.config.vocab_size, (2, length), device="cuda")
         model.zero_grad()
@@ -219,6 +224,8 @@ def test_dynamic_graphs_launch_the_lora_kernels_from_inductors_code():
     called = {e.name for e in profile.events() if "lora" in e.name and "graphopt" in e.name}
     assert not called, called
     assert any("traced into the graphs" in note and "lora_linear" in note for note in reports()[-1].notes)
+    if options:
+        assert in_place and all(in_place), in_place
 
 
 def _scheduled(name, reads=(), allocation=False):
@@ -257,17 +264,27 @@ def test_traced_launches_add_no_guard_and_repeat_one_trace_per_call():
     (wrap_triton), allocations and matmuls over the symbolic token count, without a guard on it, and a model's
     repeated calls copy one trace per op. Lowered by Inductor, each layer's input and gradient (pointwise values)
     are computed into one buffer each, however many kernels read them: without lowering/traced.py's _realized,
-    Inductor computes a copy for each Triton kernel that reads one (x twice, the gradient three times a layer)."""
+    Inductor computes a copy for each Triton kernel that reads one (x twice, the gradient three times a layer).
+    The gated activation's backward writes its gradients over gate and up where nothing reads them after it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("traced_launches.py")
     run = subprocess.run([sys.executable, str(script), "3"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["graphopt_calls_left"] == [] and result["guards"] == [], result
-    assert result["launches"] == 3 * 6  # a layer: x·Aᵀ, the low-rank add; dY·B, dA and dB, their sum, dX's low-rank
+    # a layer: x·Aᵀ, the low-rank add; dY·B, dA and dB, their sum, dX's low-rank; and the gated backward's kernel
+    # in the two layers whose gate and up nothing reads after it (the last layer's is its reference, fused by
+    # Inductor), launched on gate's and up's buffers: no copy of them is left after Inductor's reinplacing
+    assert result["launches"] == 3 * 6 + 2
+    assert result["gated_launches_in_place"] == [True, True]
+    assert result["clones_after_reinplacing"] == []
     assert result["addmms"] == 3 * 2  # x·Wᵀ, dY·W
-    assert result["traces"] == 3  # one per op
-    assert "lora_down, lora_linear, lora_linear_backward are traced into the graphs" in result["note"]
+    # one per op (the gated backward's two forms, one each)
+    assert sorted(result["traces"]) == sorted([f"graphopt.{op}.default" for op in (
+        "lora_down", "lora_linear", "lora_linear_backward", "gated_activation_backward",
+        "gated_activation_backward")])
+    assert ("gated_activation_backward, lora_down, lora_linear, lora_linear_backward are traced into the graphs"
+            in result["note"])
     assert result["buffers_per_input"] == {"x_1": 3, "w_1": 0, "a_1": 0, "b_1": 0, "grad_1": 3}
 
 
@@ -286,9 +303,10 @@ def test_an_op_whose_trace_fails_is_called_directly_and_the_note_says_so(monkeyp
     calls(gm.graph)
     targets = {str(n.target) for n in gm.graph.nodes if "graphopt" in str(n.target)}
     assert targets == {"graphopt_cuda.lora_down.default", "graphopt_cuda.lora_linear.default",
-                       "graphopt_cuda.lora_linear_backward.default"}
+                       "graphopt_cuda.lora_linear_backward.default", "graphopt_cuda.gated_activation_backward.default"}
     note = traced_note(calls)
-    assert note.startswith("CUDA graphs off: lora_down, lora_linear, lora_linear_backward called directly")
+    assert note.startswith("CUDA graphs off: gated_activation_backward, lora_down, lora_linear, lora_linear_backward "
+                           "called directly")
     assert "no GPU driver" in note
 
 

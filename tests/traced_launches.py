@@ -2,10 +2,11 @@
 
     python tests/traced_launches.py LAYERS        → one JSON line: what the traced graph holds
 
-A graph of LAYERS LoRA layers' graphopt calls (forward and backward) over a symbolic token count, as Dynamo's
-dynamic graphs have it, goes through the post-grad pass that traces their launch functions, then through
-Inductor's lowering (its IR, without code generation). Each layer's input and gradient are pointwise values
-computed in the graph, as a model's are. The launch settings are NVIDIA's, taken on CPU tensors (kernels/layout.py
+A graph of LAYERS LoRA layers' graphopt calls (forward and backward) and a gated activation's backward each, over a
+symbolic token count, as Dynamo's dynamic graphs have it, goes through the post-grad pass that traces their launch
+functions, then through Inductor's lowering (its IR, without code generation). Each layer's input and gradient are
+pointwise values computed in the graph, as a model's are; each gated backward's gate and up too, which no later
+node reads but in the last layer (which returns its gate as well). The launch settings are NVIDIA's, taken on CPU tensors (kernels/layout.py
 platform); the eager launch that fits the configs needs a GPU and stands aside, and torch's analysis of which
 arguments a kernel writes (it compiles the kernel for the GPU) gives way to the kernels' declared outputs.
 tests/test_lowering.py runs this in a process of its own: Triton's interpreter (which the CPU tests use) makes
@@ -36,8 +37,12 @@ def lora_calls_over_symbolic_tokens(layers):
             # pointwise op: on the CPU Inductor puts a reused exp or sigmoid in a buffer at once, not on the GPU)
             x_layer, grad_layer = x * (layer + 2), grad * (layer + 2)
             xa = ops.lora_down(x_layer, a)
-            outputs += [ops.lora_linear(x_layer, w, None, a, b, xa, 2.0, torch.bfloat16),
-                        *ops.lora_linear_backward(grad_layer, x_layer, xa, w, a, b, 2.0)]
+            y = ops.lora_linear(x_layer, w, None, a, b, xa, 2.0, torch.bfloat16)
+            outputs += [y, *ops.lora_linear_backward(grad_layer, x_layer, xa, w, a, b, 2.0)]
+            gate, up = y * 0.5, y + 1.0
+            outputs += ops.gated_activation_backward(grad_layer, gate, up, "silu")
+            if layer == layers - 1:
+                outputs.append(gate)
         return outputs
 
     shape_env = ShapeEnv()
@@ -54,9 +59,10 @@ def lora_calls_over_symbolic_tokens(layers):
         return make_fx(step, tracing_mode="real")(x, w, a, b, grad), shape_env
 
 
-# Each graphopt kernel's outputs, the arguments it writes (kernels/lora.py)
+# Each graphopt kernel's outputs, the arguments it writes (kernels/lora.py, kernels/gated_activation.py)
 WRITES = {"_project_kernel": ("Y",), "_reduce_rows_pair_kernel": ("P",), "_sum_splits_kernel": ("FIRST", "SECOND"),
-          "_add_low_rank_kernel": ("OUT",)}
+          "_add_low_rank_kernel": ("OUT",), "_gated_backward_kernel": ("DG", "DU")}
+IN_PLACE_WRITES = {"_gated_backward_kernel": ("G", "U")}  # with IN_PLACE=True
 
 
 def declared_accesses(kernel, kwargs, tma_descriptor_metadata):
@@ -68,7 +74,8 @@ def declared_accesses(kernel, kwargs, tma_descriptor_metadata):
     from torch.utils._ordered_set import OrderedSet
 
     tensors = [name for name, value in kwargs.items() if isinstance(value, (torch.Tensor, TensorBox))]
-    written = WRITES[getattr(kernel, "fn", kernel).__name__]
+    name = getattr(kernel, "fn", kernel).__name__
+    written = IN_PLACE_WRITES[name] if kwargs.get("IN_PLACE") else WRITES[name]
     return TensorAccesses(ReadWrites(reads=OrderedSet(StarDep(name) for name in tensors),
                                      writes=OrderedSet(StarDep(name) for name in tensors if name in written),
                                      index_exprs=OrderedSet()), can_fuse_epilogue=False)
@@ -86,6 +93,9 @@ def buffers_per_input(gm, shape_env):
     from torch._inductor.virtualized import V
 
     reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+    clones = [name for n in gm.graph.find_nodes(op="call_function",
+                                                target=torch.ops.higher_order.triton_kernel_wrapper_functional)
+              for name in n.kwargs["tensors_to_clone"]]
     decompose_triton_kernel_wrapper_functional(gm.graph)
     gm.recompile()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -95,7 +105,7 @@ def buffers_per_input(gm, shape_env):
         graph.run(*inputs)
         reads = [{dep.name for dep in buffer.get_read_writes().reads}
                  for buffer in graph.buffers if isinstance(buffer, ComputedBuffer)]
-    return {n.name: sum(n.name in names for names in reads) for n in placeholders}
+    return {n.name: sum(n.name in names for names in reads) for n in placeholders}, clones
 
 
 def main(layers):
@@ -118,14 +128,23 @@ def main(layers):
     calls(gm.graph)
     gm.graph.lint()
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    launches = [n.kwargs for n in gm.graph.find_nodes(op="call_function",
+                                                     target=torch.ops.higher_order.triton_kernel_wrapper_functional)]
+    side_table = triton_kernel_wrap.kernel_side_table
+    gated = [{**k["kwargs"], **side_table.get_constant_args(k["constant_args_idx"])}["IN_PLACE"]
+             for k in launches
+             if side_table.get_kernel(k["kernel_idx"]).fn.__name__ == "_gated_backward_kernel"]
+    buffers, clones = buffers_per_input(gm, shape_env)
     print(json.dumps({
         "graphopt_calls_left": [str(t) for t in targets if "graphopt" in str(t)],
-        "launches": sum(t is torch.ops.higher_order.triton_kernel_wrapper_functional for t in targets),
+        "launches": len(launches),
+        "gated_launches_in_place": gated,
         "addmms": sum(t is torch.ops.aten.addmm.default for t in targets),
-        "traces": len(traces),
+        "traces": traces,
         "guards": [str(guard.expr) for guard in shape_env.guards],
         "note": traced_note(calls),
-        "buffers_per_input": buffers_per_input(gm, shape_env),
+        "buffers_per_input": buffers,
+        "clones_after_reinplacing": clones,
     }))
 
 

@@ -1,6 +1,8 @@
 """SwiGLU / GeGLU Triton kernels: h = act(gate) * up and its backward; kernels/reference.py defines them.
 
-fp32 math inside. The backward recomputes act(gate) from gate rather than reading a saved activation.
+fp32 math inside. The backward recomputes act(gate) from gate rather than reading a saved activation, and can write
+its two gradients over gate and up (gated_activation_backward_in_place), as a caller that reads them no more
+allows: two [tokens, MLP width] buffers fewer at the MLP backward.
 """
 
 import torch
@@ -45,20 +47,27 @@ def _gated_forward_kernel(G, U, H, n_rows, n_cols, stride_g, stride_u, stride_h,
 
 @triton.jit(do_not_specialize=["n_rows"])  # token-count sizes: kernels/layout.py
 def _gated_backward_kernel(DH, G, U, DG, DU, n_rows, n_cols, stride_dh, stride_g, stride_u, stride_dg, stride_du,
-                           KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                           KIND: tl.constexpr, IN_PLACE: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
     rows, cols, mask = _offsets(n_rows, n_cols, BLOCK_M, BLOCK_N)
     dh = tl.load(DH + rows * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     act, dact = _act_and_derivative(g, KIND)
-    tl.store(DG + rows * stride_dg + cols, (dh * u * dact).to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + rows * stride_du + cols, (dh * act).to(DU.dtype.element_ty), mask=mask)
+    if IN_PLACE:  # through G's and U's own pointers, which this program has read at the same elements
+        tl.store(G + rows * stride_g + cols, (dh * u * dact).to(G.dtype.element_ty), mask=mask)
+        tl.store(U + rows * stride_u + cols, (dh * act).to(U.dtype.element_ty), mask=mask)
+    else:
+        tl.store(DG + rows * stride_dg + cols, (dh * u * dact).to(DG.dtype.element_ty), mask=mask)
+        tl.store(DU + rows * stride_du + cols, (dh * act).to(DU.dtype.element_ty), mask=mask)
 
 
 def _grid(n_rows, n_cols, like):
+    """Block sizes from the columns alone, so that a launch traced over a symbolic row count (lowering/traced.py)
+    branches on no size of it."""
     block_n = min(layout.next_power_of_2(max(n_cols, 1)), 1024)
     elements = 65536 if layout.platform(like) == "cpu" else 4096  # the interpreter wants few, large programs
-    block_m = max(1, min(elements // block_n, layout.next_power_of_2(max(n_rows, 1))))
+    block_m = max(1, elements // block_n)
     return block_m, block_n, (layout.cdiv(n_rows, block_m), layout.cdiv(n_cols, block_n))
 
 
@@ -80,8 +89,30 @@ def gated_activation_backward(grad_out, gate, up, activation):
     dg = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     du = torch.empty(u.shape, dtype=up.dtype, device=up.device)
     if dg.numel():
-        block_m, block_n, grid = _grid(g.shape[0], n_cols, gate)
-        _gated_backward_kernel[grid](dh, g, u, dg, du, g.shape[0], n_cols, dh.stride(0), g.stride(0), u.stride(0),
-                                     dg.stride(0), du.stride(0), KIND=_KINDS[activation], BLOCK_M=block_m,
-                                     BLOCK_N=block_n, num_warps=layout.num_warps(gate, 4))
+        _launch_backward(dh, g, u, dg, du, activation, in_place=False)
     return dg.view(gate.shape), du.view(up.shape)
+
+
+def gated_activation_backward_in_place(grad_out, gate, up, activation):
+    """gated_activation_backward with the gate's gradient written over gate and the up projection's over up, which
+    it returns; for a caller that reads gate and up no more (lowering/traced.py traces it where the backward
+    graph's call is their last reader). gate and up are taken whole, not through views, which a trace would record
+    as writes through a view: contiguous ones of two dims or more only (else into new tensors, as
+    gated_activation_backward)."""
+    if not (gate.dim() >= 2 and gate.is_contiguous() and up.is_contiguous()):
+        return gated_activation_backward(grad_out, gate, up, activation)
+    n_cols = gate.shape[-1]
+    if gate.numel():
+        _launch_backward(as_rows(grad_out, n_cols), gate, up, gate, up, activation, in_place=True)
+    return gate, up
+
+
+def _launch_backward(dh, g, u, dg, du, activation, in_place):
+    """The backward kernel over dh's rows (a [rows, width] matrix); g, u, dg, du of the same rows, each with unit
+    column stride and one row stride (its stride(-2): rows views, or whole contiguous tensors)."""
+    n_rows, n_cols = dh.shape
+    block_m, block_n, grid = _grid(n_rows, n_cols, g)
+    layout.launcher(_gated_backward_kernel)[grid](
+        dh, g, u, dg, du, n_rows, n_cols, dh.stride(0), g.stride(-2), u.stride(-2), dg.stride(-2), du.stride(-2),
+        KIND=_KINDS[activation], IN_PLACE=in_place, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=layout.num_warps(g, 4))

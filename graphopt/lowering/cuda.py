@@ -13,7 +13,7 @@ from torch._inductor.codegen import wrapper
 from torch._inductor.scheduler import NopKernelSchedulerNode
 from torch._inductor.virtualized import V
 
-from graphopt.lowering import direct, ops
+from graphopt.lowering import direct, ops, traced
 from graphopt.passes.match import value
 from graphopt.kernels import (cross_entropy, dequantize_4bit, gated_activation, linear_logprobs, lora,
                               packed_attention, padded_attention, reference, rmsnorm, rope)
@@ -492,13 +492,29 @@ KERNELS = {
 # The launch functions traced into the graphs that run without CUDA graphs, whose kernels Inductor then launches
 # (lowering/traced.py): the LoRA layers', six Triton launches and two matmuls an adapted projection and step, the
 # most of any op. On NVIDIA only: the traced form has not run on AMD GPUs.
+# And the gated activation's backward, not decomposed there: where the backward graph reads the recomputed gate and
+# up projections no more (the lean mode recomputes them), its kernel writes their gradients over them, as
+# Unsloth's SwiGLU backward does, where Inductor's fused kernel writes two new [tokens, MLP width] buffers (each
+# input is read by two of its nodes, so its in-place rule does not apply): the lean 8B step's peak is there
+# (benchmarks/RESULTS.md, SFT AD). Elsewhere its reference is traced, which Inductor fuses as it fuses the
+# decomposition.
 TRACED = {op: KERNELS[op] for op in (torch.ops.graphopt.lora_down.default, torch.ops.graphopt.lora_linear.default,
                                      torch.ops.graphopt.lora_linear_backward.default)}
+TRACED[torch.ops.graphopt.gated_activation_backward.default] = traced.InPlace(
+    gated_activation.gated_activation_backward_in_place, overwrites=(1, 2),
+    otherwise=reference.gated_activation_backward)
+TRACED_IMPLEMENTATIONS = {
+    torch.ops.graphopt.gated_activation_backward.default:
+        "Triton kernel kernels/gated_activation.py:_gated_backward_kernel writing the gradients over gate and up "
+        "where the backward reads them no more (activation recomputed); elsewhere " + _GENERATED,
+}
 
 
 def register() -> dict:
     """The kernels registered for the "cuda" device type (eager calls, and anything run outside Inductor), and the
-    direct calls of compiled graphs (lowering/direct.py), returned: the ops not decomposed, by the same kernels."""
+    direct calls of compiled graphs (lowering/direct.py), returned: the ops not decomposed (or traced, and called
+    directly where their trace fails), by the same kernels."""
     for op, kernel in KERNELS.items():
         torch.library.register_kernel(op._schema.name, "cuda", kernel)
-    return direct.define("cuda", "CUDA", {op: k for op, k in KERNELS.items() if op not in DECOMPOSITIONS})
+    return direct.define("cuda", "CUDA", {op: k for op, k in KERNELS.items()
+                                          if op not in DECOMPOSITIONS or op in TRACED})

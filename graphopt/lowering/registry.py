@@ -51,8 +51,11 @@ class Lowering:
     # graphopt op → the op the graphs Inductor compiles call instead: the same kernel without custom_op's layers
     # (lowering/direct.py)
     direct_calls: dict = field(default_factory=dict)
-    # graphopt op → its launch function, traced into the graphs where CUDA graphs are off (lowering/traced.py)
+    # graphopt op → its launch function, traced into the graphs where CUDA graphs are off (lowering/traced.py);
+    # such an op is not decomposed there
     traced_launches: dict = field(default_factory=dict)
+    # graphopt op → text for the report where its launches are traced, when not the usual implementation's
+    traced_implementations: dict = field(default_factory=dict)
 
 
 def lowering_for(target: str) -> Lowering:
@@ -66,6 +69,7 @@ def lowering_for(target: str) -> Lowering:
                         prepare=cuda.prepare if target == "cuda" else None,
                         meta_stand_ins=dict(cuda.META_STAND_INS), direct_calls=dict(_CUDA_DIRECT),
                         traced_launches=dict(cuda.TRACED) if target == "cuda" else {},
+                        traced_implementations=dict(cuda.TRACED_IMPLEMENTATIONS) if target == "cuda" else {},
                         variants={torch.ops.graphopt.lora_down.default: cuda.lora_down_variant,
                                   torch.ops.graphopt.lora_linear.default: cuda.lora_variant,
                                   torch.ops.graphopt.lora_linear_4bit.default: cuda.lora_4bit_variant,
@@ -92,37 +96,42 @@ def lowering_for(target: str) -> Lowering:
 
 
 class InductorDecompositions(dict):
-    """The table compile_fx takes: Inductor's decompositions and the target's for graphopt ops. Inductor's FX graph
-    cache pickles it into its key, and some of Inductor's own entries are builtins it cannot pickle, which would
-    keep every compile out of the cache: it pickles as what it is made from, the target (graphopt's code is in the
-    key through the partitioner's uuid, passes/recompute.py)."""
+    """The table compile_fx takes: Inductor's decompositions and the target's for graphopt ops, but for the ops
+    whose launches are traced into the graphs (traced=True: CUDA graphs off). Inductor's FX graph cache pickles it
+    into its key, and some of Inductor's own entries are builtins it cannot pickle, which would keep every compile
+    out of the cache: it pickles as what it is made from (graphopt's code is in the key through the partitioner's
+    uuid, passes/recompute.py)."""
 
-    def __init__(self, target: str):
-        super().__init__({**select_decomp_table(), **lowering_for(target).decompositions})
-        self.target = target
+    def __init__(self, target: str, traced: bool = False):
+        lowering = lowering_for(target)
+        super().__init__({**select_decomp_table(),
+                          **{op: f for op, f in lowering.decompositions.items()
+                             if not (traced and op in lowering.traced_launches)}})
+        self.target, self.traced = target, traced
 
     def __reduce__(self):
-        return InductorDecompositions, (self.target,)
+        return InductorDecompositions, (self.target, self.traced)
 
 
-def record(gm: torch.fx.GraphModule, lowering: Lowering, report) -> None:
-    """One report line per graphopt op and implementation in the graph: how it will run, its backward op beside
-    it."""
+def record(gm: torch.fx.GraphModule, lowering: Lowering, report, traced: bool = False) -> None:
+    """One report line per graphopt op and implementation in the graph: how it will run (traced: with the launches
+    traced into the graphs), its backward op beside it."""
+    implementations = {**lowering.implementations, **(lowering.traced_implementations if traced else {})}
     counts = {}
     regions = autocast_regions(gm.graph)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ops.BACKWARD_OF:
             variant = lowering.variants.get(node.target)
             text = variant(*_running_inputs(node, regions[node])) if variant else None
-            key = (node.target, text or lowering.implementations[node.target])
+            key = (node.target, text or implementations[node.target])
             counts[key] = counts.get(key, 0) + 1
     for (forward, implementation), count in counts.items():
         backward = ops.BACKWARD_OF[forward]
-        variant = implementation != lowering.implementations[forward]  # the backward runs the same variant
+        variant = implementation != implementations[forward]  # the backward runs the same variant
         report.lowering.append(LoweringRecord(str(forward), count, implementation, lowering.note or None))
         if backward is not None:
             report.lowering.append(LoweringRecord(str(backward), count,
-                                                  implementation if variant else lowering.implementations[backward],
+                                                  implementation if variant else implementations[backward],
                                                   "in the backward graph, when gradients are needed"))
 
 

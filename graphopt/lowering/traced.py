@@ -13,13 +13,21 @@ decisions without branching on a symbolic size (kernels/lora.py), so the trace a
 The configs the trace takes are those an eager launch finds to fit the GPU's shared memory (kernels/lora.py
 _fitting): each op is launched once eagerly first, on small tensors of its dtypes and rank. Where the trace cannot
 be made or checked, the op is called directly instead (lowering/direct.py) and the report's notes say so.
+
+An op may also have a launch function that writes its results over some of its inputs (InPlace): traced where the
+graph reads those inputs no more, and Inductor's reinplacing pass, which follows, then launches the kernel on the
+inputs' own buffers. Elsewhere the op's other function is traced.
 """
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.fx_utils import get_node_storage
 from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -29,20 +37,38 @@ from graphopt.kernels import layout
 _PROBED = set()  # _probe's keys: launched eagerly once in this process
 
 
+@dataclass(frozen=True)
+class InPlace:
+    """An op's launch function that writes its results over the op's arguments at positions `overwrites` (and
+    returns them), traced where the graph reads those arguments no more; elsewhere `otherwise` is traced."""
+    function: Callable
+    overwrites: tuple
+    otherwise: Callable
+
+
 def inline(graph: torch.fx.Graph, node: torch.fx.Node, function, traces: dict) -> None:
-    """Replaces node (a call of a graphopt op) by the trace of function(*node.args, **node.kwargs). traces: the
-    graph's traces so far, by op and inputs; a node whose op and inputs (shapes as expressions of the graph's
-    symbols, strides, dtypes, the other arguments) match one traced before takes a copy of its trace: a model's
-    layers repeat a few such calls dozens of times, and a trace takes a fifth of a second."""
+    """Replaces node (a call of a graphopt op) by the trace of function(*node.args, **node.kwargs) (an InPlace's
+    function where node is the last reader of what it overwrites, else its otherwise). traces: the graph's traces
+    so far, by op and inputs; a node whose op and inputs (shapes as expressions of the graph's symbols, strides,
+    dtypes, the other arguments) match one traced before takes a copy of its trace: a model's layers repeat a few
+    such calls dozens of times, and a trace takes a fifth of a second."""
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+    overwrites = ()  # their indices in flat
+    if isinstance(function, InPlace):
+        if last_reader(node, function.overwrites):
+            overwrites = tuple(next(i for i, leaf in enumerate(flat) if leaf is node.args[p])
+                               for p in function.overwrites)
+            function = function.function
+        else:
+            function = function.otherwise
     inputs = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.fx.Node)]
     values = [flat[i].meta["val"] for i in inputs]
-    key = (node.target, repr(spec), tuple(_signature(v) for v in values),
+    key = (node.target, function, repr(spec), tuple(_signature(v) for v in values),
            tuple(leaf for i, leaf in enumerate(flat) if i not in inputs))
     copy = key in traces
     if not copy:
         _probe(node.target, function, flat, spec, inputs, values)
-        traces[key] = _trace(node.target, function, flat, spec, inputs, values)
+        traces[key] = _trace(node.target, function, flat, spec, inputs, values, overwrites)
     env, added = {}, []
     placeholders = iter(inputs)
     try:
@@ -71,11 +97,29 @@ def inline(graph: torch.fx.Graph, node: torch.fx.Node, function, traces: dict) -
     graph.erase_node(node)
 
 
-def _trace(op, function, flat, spec, inputs, values) -> torch.fx.GraphModule:
+def last_reader(node: torch.fx.Node, positions) -> bool:
+    """Whether node's arguments at positions are tensors the graph computes (not its inputs, which belong to the
+    caller) that nothing reads after node, through any view of their storage, in the graph's order; the order
+    Inductor's reinplacing pass checks a mutation against."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    storages = [get_node_storage(node.args[p]) if isinstance(node.args[p], torch.fx.Node) else None
+                for p in positions]
+    if None in storages or len(set(storages)) < len(storages):  # each written over by its own result
+        return False
+    for storage in storages:
+        for other in node.graph.nodes:
+            if get_node_storage(other) != storage:
+                continue
+            if other.op in ("placeholder", "get_attr") or any(order[user] > order[node] for user in other.users):
+                return False
+    return True
+
+
+def _trace(op, function, flat, spec, inputs, values, overwrites=()) -> torch.fx.GraphModule:
     def call(*tensors):
         leaves = list(flat)
         for i, tensor in zip(inputs, tensors):
-            leaves[i] = _realized(tensor)
+            leaves[i] = tensor if i in overwrites else _realized(tensor)
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         with layout.launches_traced():
             return function(*args, **kwargs)
@@ -83,7 +127,15 @@ def _trace(op, function, flat, spec, inputs, values) -> torch.fx.GraphModule:
     with detect_fake_mode(values), enable_python_dispatcher():
         # in Inductor's decompositions, which the graph it joins has been through (aten.t as a permute, ...)
         traced = make_fx(torch.func.functionalize(call), select_decomp_table(), tracing_mode="real")(*values)
-    _check_writes(traced.graph, op)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    overwritten = [placeholders[inputs.index(i)] for i in overwrites]
+    # functionalize copies the results written over the inputs back into them at the end: the op's caller reads
+    # those inputs no more (last_reader), so the trace is the functional kernel call alone, which Inductor's
+    # reinplacing pass then launches on the inputs' buffers
+    for n in traced.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
+        if n.args[0] in overwritten:
+            traced.graph.erase_node(n)
+    _check_writes(traced.graph, op, overwritten)
     return traced
 
 
@@ -116,16 +168,16 @@ def _signature(value):
     return str(value)
 
 
-def _check_writes(graph: torch.fx.Graph, op) -> None:
-    """The trace writes only tensors it allocated. torch's analysis of which arguments a Triton kernel writes
-    (its TTIR) can fail, and then takes every argument as written: the graph would copy the op's inputs around
-    each launch and write the copies back into them."""
+def _check_writes(graph: torch.fx.Graph, op, overwritten=()) -> None:
+    """The trace writes only tensors it allocated, and the inputs overwritten (placeholders) it overwrites. torch's
+    analysis of which arguments a Triton kernel writes (its TTIR) can fail, and then takes every argument as
+    written: the graph would copy the op's inputs around each launch and write the copies back into them."""
     for n in graph.nodes:
         if n.op == "get_attr":
             raise NotImplementedError(f"{op}: its launch function made a tensor constant")
         if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
             written = [n.kwargs["kwargs"][name] for name in n.kwargs["tensors_to_clone"]]
-            if any(w.target is not torch.ops.aten.empty.memory_format for w in written):
+            if any(w.target is not torch.ops.aten.empty.memory_format and w not in overwritten for w in written):
                 raise NotImplementedError(f"{op}: a kernel's writes were not found (torch's analysis of its "
                                           f"TTIR), so it would be taken to write its inputs")
 
