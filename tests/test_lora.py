@@ -1,6 +1,8 @@
 """graphopt::lora_down and graphopt::lora_linear: the ops against PEFT's own LoRA layer, opcheck, the pass on PEFT models (counts,
 misses), the memory it exists to save, and tiny HF models end to end with the fusion on."""
 
+import contextlib
+
 import peft
 import pytest
 import torch
@@ -96,10 +98,13 @@ KERNEL_DTYPES = [torch.float32, torch.float16] + [torch.bfloat16] * (DEVICE == "
 @given(r=st.sampled_from([1, 8, 16, 128]), shape=st.sampled_from([(1, 16, 12), (37, 48, 80), (130, 64, 20),
                                                                   (70, 200, 33)]),
        dtype=st.sampled_from(KERNEL_DTYPES), bias=st.booleans(), scaling=st.sampled_from([0.5, 2.0]),
-       seed=st.integers(0, 2**16))
-def test_kernels_match_fp64(r, shape, dtype, bias, scaling, seed):
+       seed=st.integers(0, 2**16), traced=st.booleans())
+def test_kernels_match_fp64(r, shape, dtype, bias, scaling, seed, traced):
     """Forward and dX, dA, dB against the reference computed in fp64 from the same inputs (bias, shapes, ranks
-    below and above the 16 a dot needs)."""
+    below and above the 16 a dot needs); also in the order the launch functions take when traced into a graph
+    (dX: dY·W first, the low-rank term added onto it in place), run eagerly."""
+    from graphopt.kernels import layout
+
     tokens, in_features, out_features = shape
     g = torch.Generator().manual_seed(seed)
 
@@ -111,7 +116,8 @@ def test_kernels_match_fp64(r, shape, dtype, bias, scaling, seed):
     b = randn(out_features) if bias else None
     a, bb = randn(r, in_features, dtype=torch.float32, scale=in_features ** -0.5), randn(out_features, r,
                                                                                         dtype=torch.float32)
-    assert_kernels_match_fp64(x, grad, weight, b, a, bb, scaling)
+    with layout.launches_traced() if traced else contextlib.nullcontext():
+        assert_kernels_match_fp64(x, grad, weight, b, a, bb, scaling)
 
 
 def assert_kernels_match_fp64(x, grad, weight, bias, a, b, scaling):

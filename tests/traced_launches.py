@@ -140,6 +140,7 @@ def main(layers):
         "launches": len(launches),
         "gated_launches_in_place": gated,
         "addmms": sum(t is torch.ops.aten.addmm.default for t in targets),
+        "mms": sum(t is torch.ops.aten.mm.default for t in targets),
         "traces": traces,
         "guards": [str(guard.expr) for guard in shape_env.guards],
         "note": traced_note(calls),

@@ -65,6 +65,12 @@ def launches_traced():
         _traced = before
 
 
+def tracing() -> bool:
+    """Whether launches_traced() is active: the launch function is being traced into a graph, where a matmul
+    writes a new tensor even where the eager call writes into its input (addmm_), as the trace is functional."""
+    return _traced
+
+
 def launcher(kernel):
     """kernel, to be indexed by its grid and called; wrapped for the trace under launches_traced()."""
     return torch.library.wrap_triton(kernel) if _traced else kernel

@@ -364,13 +364,15 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa, scale_b):
     return grad_a, grad_b
 
 
-def _add_low_rank(xa, weight, stride_wn, stride_wr, scale, out_dtype, n_cols, bias=None, base=None):
+def _add_low_rank(xa, weight, stride_wn, stride_wr, scale, out_dtype, n_cols, bias=None, base=None,
+                  in_place=False):
     """scale · xa · Wᵀ [rows, n_cols] in out_dtype, W given as (tensor, strides of its [n_cols, rank] view), plus
-    bias and base where given, each element rounded once."""
+    bias and base where given, each element rounded once; written over base where in_place (base contiguous, of
+    out_dtype), else into a new tensor."""
     n_rows = xa.shape[0]
     platform = layout.platform(xa)
     block_r = _block_r(xa.shape[1])
-    out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=xa.device)
+    out = base if in_place else torch.empty((n_rows, n_cols), dtype=out_dtype, device=xa.device)
 
     def launch(config):
         grid = (layout.cdiv(n_rows, config["BLOCK_M"]), layout.cdiv(n_cols, config["BLOCK_N"]))
@@ -426,8 +428,17 @@ def lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling):
     grad_xa = _project(grad, lora_b, lora_b.stride(1), lora_b.stride(0), lora_b.shape[1], scaling)
     # d(xa)ᵀ · x [rank, in], scaling · dYᵀ · xa [out, rank]
     grad_a, grad_b = _reduce_rows_pair(rows, grad, xa.reshape(-1, xa.shape[-1]).contiguous(), grad_xa, scaling)
-    # dX = d(xa)·A + dY·W: the low-rank term rounded to x's dtype (as autograd's accumulation of two gradients
-    # rounds it), then cuBLAS adds dY·W onto it; A is [rank, in]: W[n, r] = A[r, n]
-    grad_x = _add_low_rank(grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, rows.shape[1])
-    grad_x.addmm_(grad.to(weight.dtype), weight)
+    # dX = d(xa)·A + dY·W; A is [rank, in]: W[n, r] = A[r, n]
+    if layout.tracing():
+        # traced, cuBLAS's addmm would write a new [rows, in] beside the low-rank term it adds onto (the trace is
+        # functional): dY·W first, then the low-rank term added onto it in place, rounded once. The MLP's down
+        # projection holds the lean step's peak there (benchmarks/RESULTS.md, SFT AD).
+        grad_x = torch.mm(grad.to(weight.dtype), weight)
+        _add_low_rank(grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, rows.shape[1],
+                      base=grad_x, in_place=True)
+    else:
+        # the low-rank term rounded to x's dtype (as autograd's accumulation of two gradients rounds it), then
+        # cuBLAS adds dY·W onto it: read in the epilogue of a compute-bound matmul, not in a memory-bound kernel
+        grad_x = _add_low_rank(grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, rows.shape[1])
+        grad_x.addmm_(grad.to(weight.dtype), weight)
     return grad_x.view(x.shape), grad_a, grad_b

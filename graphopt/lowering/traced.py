@@ -168,16 +168,20 @@ def _signature(value):
     return str(value)
 
 
+_MADE = (torch.ops.aten.empty.memory_format, torch.ops.aten.mm.default)  # the trace's own tensors
+
+
 def _check_writes(graph: torch.fx.Graph, op, overwritten=()) -> None:
-    """The trace writes only tensors it allocated, and the inputs overwritten (placeholders) it overwrites. torch's
-    analysis of which arguments a Triton kernel writes (its TTIR) can fail, and then takes every argument as
-    written: the graph would copy the op's inputs around each launch and write the copies back into them."""
+    """The trace writes only tensors it made (allocations, matmuls' outputs) and the inputs overwritten
+    (placeholders) it overwrites. torch's analysis of which arguments a Triton kernel writes (its TTIR) can fail,
+    and then takes every argument as written: the graph would copy the op's inputs around each launch and write
+    the copies back into them."""
     for n in graph.nodes:
         if n.op == "get_attr":
             raise NotImplementedError(f"{op}: its launch function made a tensor constant")
         if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
             written = [n.kwargs["kwargs"][name] for name in n.kwargs["tensors_to_clone"]]
-            if any(w.target is not torch.ops.aten.empty.memory_format and w not in overwritten for w in written):
+            if any(w.target not in _MADE and w not in overwritten for w in written):
                 raise NotImplementedError(f"{op}: a kernel's writes were not found (torch's analysis of its "
                                           f"TTIR), so it would be taken to write its inputs")
 
