@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -231,8 +232,6 @@ def test_dynamic_graphs_launch_the_lora_kernels_from_inductors_code(options, mon
 def _scheduled(name, reads=(), allocation=False):
     """A scheduler node as allocations_beside_their_first_reader reads one: an allocation (aten.empty, which
     computes nothing) or a kernel reading the buffers named."""
-    from types import SimpleNamespace
-
     from torch._inductor.scheduler import BaseSchedulerNode, NopKernelSchedulerNode
 
     node = object.__new__(NopKernelSchedulerNode if allocation else BaseSchedulerNode)
@@ -348,3 +347,25 @@ def test_no_buffer_is_held_for_reuse_across_a_fallback_in_graphopts_graphs(graph
     torch._dynamo.reset()
     torch.testing.assert_close(result[0], torch.cos(torch.sin(x) * 3) * 2)
     assert ("# reuse" in code) is not graphopts, code
+
+
+def test_the_report_names_the_gated_backward_that_runs_where_launches_are_traced():
+    """Where CUDA graphs are off the gated activation's backward is traced, not decomposed (lowering/cuda.py
+    TRACED): the report's line for it says so; under CUDA graphs, Inductor's fused kernel."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphopt.lowering import cuda
+
+    gate, up = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    gm = make_fx(lambda g, u: torch.ops.graphopt.gated_activation(g, u, "silu"))(gate, up)
+    lowering = registry.lowering_for("cuda")
+    lines = {}
+    for traced in (False, True):
+        plan = SimpleNamespace(lowering=[])  # the part of the plan record adds to
+        registry.record(gm, lowering, plan, traced=traced)
+        lines[traced] = {r.op: r.implementation for r in plan.lowering}
+    backward = "graphopt.gated_activation_backward.default"
+    assert lines[False][backward] == cuda.IMPLEMENTATIONS[torch.ops.graphopt.gated_activation_backward.default]
+    assert lines[True][backward].startswith("Triton kernel kernels/gated_activation.py")
+    assert "over gate and up" in lines[True][backward]
+    assert lines[True]["graphopt.gated_activation.default"] == lines[False]["graphopt.gated_activation.default"]
