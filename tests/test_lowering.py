@@ -369,3 +369,28 @@ def test_the_report_names_the_gated_backward_that_runs_where_launches_are_traced
     assert lines[True][backward].startswith("Triton kernel kernels/gated_activation.py")
     assert "over gate and up" in lines[True][backward]
     assert lines[True]["graphopt.gated_activation.default"] == lines[False]["graphopt.gated_activation.default"]
+
+
+@pytest.mark.parametrize("case, expected", [("dead after", True), ("a view read after", False),
+                                            ("read after", False), ("a graph input", False),
+                                            ("one tensor twice", False)])
+def test_the_gated_backward_overwrites_only_what_nothing_reads_after_it(case, expected):
+    """lowering/traced.py last_reader, which picks the gated backward's in-place trace: gate and up computed in
+    the graph, distinct, and read by nothing after the call, through no view either."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphopt.lowering.traced import last_reader
+
+    def backward(x, dh):
+        gate, up = (x, x + 1) if case == "a graph input" else (x * 2, x + 1)
+        if case == "one tensor twice":
+            up = gate
+        view = gate.view(-1)
+        grads = torch.ops.graphopt.gated_activation_backward(dh, gate, up, "silu")
+        if case == "a view read after":
+            return (*grads, view * 3)
+        return (*grads, up * 3) if case == "read after" else grads
+
+    gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 8), torch.randn(4, 8))
+    [node] = gm.graph.find_nodes(op="call_function", target=torch.ops.graphopt.gated_activation_backward.default)
+    assert last_reader(node, (1, 2)) is expected

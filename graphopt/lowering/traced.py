@@ -100,19 +100,34 @@ def inline(graph: torch.fx.Graph, node: torch.fx.Node, function, traces: dict) -
 def last_reader(node: torch.fx.Node, positions) -> bool:
     """Whether node's arguments at positions are tensors the graph computes (not its inputs, which belong to the
     caller) that nothing reads after node, through any view of their storage, in the graph's order; the order
-    Inductor's reinplacing pass checks a mutation against."""
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    storages = [get_node_storage(node.args[p]) if isinstance(node.args[p], torch.fx.Node) else None
-                for p in positions]
+    Inductor's reinplacing pass checks a mutation against, and which has the last word: a view missed here costs
+    a copy there, never a wrong result."""
+    args = [node.args[p] for p in positions]
+    storages = [get_node_storage(a) if isinstance(a, torch.fx.Node) else None for a in args]
     if None in storages or len(set(storages)) < len(storages):  # each written over by its own result
         return False
-    for storage in storages:
-        for other in node.graph.nodes:
-            if get_node_storage(other) != storage:
-                continue
-            if other.op in ("placeholder", "get_attr") or any(order[user] > order[node] for user in other.users):
+    nodes = list(node.graph.nodes)
+    after = set(nodes[nodes.index(node) + 1:])
+    for arg, storage in zip(args, storages):
+        for alias in _sharing(arg, storage):
+            if alias.op in ("placeholder", "get_attr") or any(user in after for user in alias.users):
                 return False
     return True
+
+
+def _sharing(n: torch.fx.Node, storage) -> list:
+    """n's views and bases in the graph (the nodes whose tensors share its storage, reached through view ops'
+    first argument and users), n among them."""
+    while (n.op == "call_function" and n.args and isinstance(n.args[0], torch.fx.Node)
+           and get_node_storage(n.args[0]) == storage):
+        n = n.args[0]
+    found, stack = [], [n]
+    while stack:
+        m = stack.pop()
+        if m not in found:
+            found.append(m)
+            stack.extend(u for u in m.users if get_node_storage(u) == storage)
+    return found
 
 
 def _trace(op, function, flat, spec, inputs, values, overwrites=()) -> torch.fx.GraphModule:
