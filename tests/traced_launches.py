@@ -81,10 +81,12 @@ def declared_accesses(kernel, kwargs, tma_descriptor_metadata):
                                      index_exprs=OrderedSet()), can_fuse_epilogue=False)
 
 
-def buffers_per_input(gm, shape_env):
+def lowered(gm, shape_env):
     """Inductor's lowering of gm (after the post-grad passes that follow graphopt's: reinplacing, the functional
     Triton calls made mutating), without code generation: for each graph input, how many buffers compute a value
-    from it. One per layer when each value the LoRA ops read is computed once, whatever number of kernels read it."""
+    from it (one per layer when each value the LoRA ops read is computed once, whatever number of kernels read
+    it), and the kernels' arguments reinplacing left to copy (none where each tensor a kernel writes over is read
+    no more)."""
     from torch._inductor.fx_passes.post_grad import decompose_triton_kernel_wrapper_functional
     from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
     from torch._inductor.fx_utils import FakeTensorUpdater
@@ -134,7 +136,7 @@ def main(layers):
     gated = [{**k["kwargs"], **side_table.get_constant_args(k["constant_args_idx"])}["IN_PLACE"]
              for k in launches
              if side_table.get_kernel(k["kernel_idx"]).fn.__name__ == "_gated_backward_kernel"]
-    buffers, clones = buffers_per_input(gm, shape_env)
+    buffers, clones = lowered(gm, shape_env)
     print(json.dumps({
         "graphopt_calls_left": [str(t) for t in targets if "graphopt" in str(t)],
         "launches": len(launches),
