@@ -88,9 +88,10 @@ def compile_graph(gm, example_inputs, options: Options, explain: bool = False):
         training = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                                    for x in example_inputs)
         plan.cuda_graphs = dict(zip(("on", "why"), cuda_graphs_decision(options, lowering, dynamic, training)))
-    lowering_registry.record(gm, lowering, plan, traced=_launches_traced(lowering, plan, explain))
+    traced = _launches_traced(lowering, plan, explain)
+    lowering_registry.record(gm, lowering, plan, traced=traced)
     try:
-        compiled = _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain, saved)
+        compiled = _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain, saved, traced)
     except RestartAnalysis:  # Dynamo abandons this graph (e.g. to make a float a tensor) and hands over another
         raise
     except Exception:  # 7. report: what was decided before the failure, to read the error against
@@ -115,11 +116,10 @@ def normalize_and_fuse(gm, options: Options, plan: Plan) -> Options:
     return options
 
 
-def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain, saved):
+def _autograd_partition_lower(gm, example_inputs, lowering, plan, options, explain, saved, traced):
     # CUDA graphs: Inductor's CUDA graph trees, split around the ops that cannot be captured (graph_partition).
     # What outlives a step leaves the graphs' memory pool (passes/graph_pool.py): the leaves' gradients.
     graphs = bool(plan.cuda_graphs and plan.cuda_graphs["on"])
-    traced = _launches_traced(lowering, plan, explain)
     leaf_inputs = (tuple(isinstance(x, torch.Tensor) and x.is_leaf and x.requires_grad for x in example_inputs)
                    if graphs else None)
     # 5. partition: a stage of its own, called by aot_autograd once it has the joint graph; it adds the memory
