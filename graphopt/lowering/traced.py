@@ -115,17 +115,17 @@ def last_reader(node: torch.fx.Node, positions) -> bool:
     return True
 
 
-def _sharing(n: torch.fx.Node, storage) -> list:
+def _sharing(n: torch.fx.Node, storage) -> set:
     """n's views and bases in the graph (the nodes whose tensors share its storage, reached through view ops'
     first argument and users), n among them."""
     while (n.op == "call_function" and n.args and isinstance(n.args[0], torch.fx.Node)
            and get_node_storage(n.args[0]) == storage):
         n = n.args[0]
-    found, stack = [], [n]
+    found, stack = set(), [n]
     while stack:
         m = stack.pop()
         if m not in found:
-            found.append(m)
+            found.add(m)
             stack.extend(u for u in m.users if get_node_storage(u) == storage)
     return found
 
