@@ -84,10 +84,7 @@ def test_cache_grad_must_be_a_bool(value):
         parse_options({"cache_grad": value}, tuple(FUSIONS))
 
 
-ON_THE_GPU = pytest.param("cuda", marks=pytest.mark.xfail(
-    reason="on the GPU the lean step holds the dropped cache through the backward, cause not found "
-           "(benchmarks/RESULTS.md, SFT AE)", strict=False))
-DEVICES = ["cpu"] + ([ON_THE_GPU] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
