@@ -289,6 +289,24 @@ def test_traced_launches_add_no_guard_and_repeat_one_trace_per_call():
     assert result["buffers_per_input"] == {"x_1": 3, "w_1": 0, "a_1": 0, "b_1": 0, "grad_1": 3}
 
 
+def test_traced_projections_split_their_columns_whatever_the_token_count():
+    """Traced, a projection's row count is a symbol, and its launch takes one split of the columns per
+    TRACED_COLUMNS (kernels/lora.py _column_splits) and one launch more that sums them: x·Aᵀ over 2,048 columns in
+    two, dY·B over 96 in one. The split adds no guard and no copy."""
+    from graphopt.kernels import lora
+
+    assert lora.CONFIGS["cuda"]["project"]["TRACED_COLUMNS"] == 1024
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("traced_launches.py")
+    run = subprocess.run([sys.executable, str(script), "1", "2048"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["projection_splits"] == [2, 1], result
+    assert result["launches"] == 6 + 1
+    assert result["guards"] == [] and result["clones_after_reinplacing"] == []
+
+
 def test_an_op_whose_trace_fails_is_called_directly_and_the_note_says_so(monkeypatch):
     from graphopt.lowering import traced
     from graphopt.lowering.direct import DirectCalls, traced_note

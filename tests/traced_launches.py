@@ -1,8 +1,8 @@
 """lowering/traced.py's trace of the LoRA ops on the NVIDIA launch path, on a machine without a GPU.
 
-    python tests/traced_launches.py LAYERS        → one JSON line: what the traced graph holds
+    python tests/traced_launches.py LAYERS [WIDTH]        → one JSON line: what the traced graph holds
 
-A graph of LAYERS LoRA layers' graphopt calls (forward and backward) and a gated activation's backward each, over a
+A graph of LAYERS LoRA layers' graphopt calls (their input WIDTH features wide, 64 if not given) (forward and backward) and a gated activation's backward each, over a
 symbolic token count, as Dynamo's dynamic graphs have it, goes through the post-grad pass that traces their launch
 functions, then through Inductor's lowering (its IR, without code generation). Each layer's input and gradient are
 pointwise values computed in the graph, as a model's are; each gated backward's gate and up too, which no later
@@ -23,9 +23,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 
-def lora_calls_over_symbolic_tokens(layers):
-    """The graph of `layers` LoRA layers' graphopt calls, forward and backward, over a symbolic token count, and its
-    shape environment."""
+def lora_calls_over_symbolic_tokens(layers, width=64):
+    """The graph of `layers` LoRA layers' graphopt calls (inputs `width` features wide), forward and backward, over
+    a symbolic token count, and its shape environment."""
     import graphopt  # noqa: F401  (the graphopt ops)
 
     ops = torch.ops.graphopt
@@ -52,8 +52,9 @@ def lora_calls_over_symbolic_tokens(layers):
         sizes = [DimDynamic.DYNAMIC if i == dynamic_dim else DimDynamic.STATIC for i in range(t.dim())]
         return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
 
-    x = fake(torch.randn(1, 100, 64, dtype=torch.bfloat16), 1)
-    w, a, b = fake(torch.randn(96, 64, dtype=torch.bfloat16)), fake(torch.randn(16, 64)), fake(torch.randn(96, 16))
+    x = fake(torch.randn(1, 100, width, dtype=torch.bfloat16), 1)
+    w, a = fake(torch.randn(96, width, dtype=torch.bfloat16)), fake(torch.randn(16, width))
+    b = fake(torch.randn(96, 16))
     with mode:
         grad = torch.empty(1, x.shape[1], 96, dtype=torch.bfloat16)
         return make_fx(step, tracing_mode="real")(x, w, a, b, grad), shape_env
@@ -110,7 +111,7 @@ def lowered(gm, shape_env):
     return {n.name: sum(n.name in names for names in reads) for n in placeholders}, clones
 
 
-def main(layers):
+def main(layers, width):
     from torch._higher_order_ops import triton_kernel_wrap
 
     from graphopt.kernels import layout
@@ -124,7 +125,7 @@ def main(layers):
     traces = []
     trace = traced._trace
     traced._trace = lambda *args: traces.append(str(args[0])) or trace(*args)
-    gm, shape_env = lora_calls_over_symbolic_tokens(layers)
+    gm, shape_env = lora_calls_over_symbolic_tokens(layers, width)
     lowering = registry.lowering_for("cuda")
     calls = DirectCalls(lowering.direct_calls, lowering.traced_launches)
     calls(gm.graph)
@@ -133,14 +134,17 @@ def main(layers):
     launches = [n.kwargs for n in gm.graph.find_nodes(op="call_function",
                                                      target=torch.ops.higher_order.triton_kernel_wrapper_functional)]
     side_table = triton_kernel_wrap.kernel_side_table
+    def named(name):
+        return [k for k in launches if side_table.get_kernel(k["kernel_idx"]).fn.__name__ == name]
+
     gated = [{**k["kwargs"], **side_table.get_constant_args(k["constant_args_idx"])}["IN_PLACE"]
-             for k in launches
-             if side_table.get_kernel(k["kernel_idx"]).fn.__name__ == "_gated_backward_kernel"]
+             for k in named("_gated_backward_kernel")]
     buffers, clones = lowered(gm, shape_env)
     print(json.dumps({
         "graphopt_calls_left": [str(t) for t in targets if "graphopt" in str(t)],
         "launches": len(launches),
         "gated_launches_in_place": gated,
+        "projection_splits": [int(k["grid"][0][2]) for k in named("_project_kernel")],
         "addmms": sum(t is torch.ops.aten.addmm.default for t in targets),
         "mms": sum(t is torch.ops.aten.mm.default for t in targets),
         "traces": traces,
@@ -152,4 +156,4 @@ def main(layers):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 64)

@@ -12,9 +12,9 @@ scale and the bias, then x·Wᵀ added, lora_linear), the
 backward four and a matmul, as the H200's step is partly bound by how fast the CPU launches kernels: dY·B in one,
 dA's and dB's partial sums over splits of the rows in one, their sum in one, and dX's low-rank term in one, onto
 which dY·W is added. Where too few row blocks would leave multiprocessors idle, the projections split the columns
-too, and one more launch sums the partial products (CONFIGS' FILL). The rank-r
-products keep fp32's accuracy on tensor cores: with a bf16 x, bf16 dots on the fp32 operand split in two bf16
-parts (below, _split); otherwise "tf32x3", three TF32 products (PEFT's fp32 matmuls run without TF32). Plain fp32
+too, and one more launch sums the partial products (CONFIGS' FILL; TRACED_COLUMNS where the row count is a
+symbol). The rank-r products keep fp32's accuracy on tensor cores: with a bf16 x, bf16 dots on the fp32 operand
+split in two bf16 parts (below, _split); otherwise "tf32x3", three TF32 products (PEFT's fp32 matmuls run without TF32). Plain fp32
 "ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (2.4x slower in the 1B step
 on the H200, benchmarks/RESULTS.md).
 """
@@ -192,19 +192,19 @@ PRECISION = {"cuda": "tf32x3", "cdna": "bf16x6", "rdna": "bf16x6", "cpu": "ieee"
 # CPU (the interpreter): large blocks, so that its Python-level loops are few.
 CONFIGS = {
     "cuda": {
-        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=4, FILL=2),
+        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=4, FILL=2, TRACED_COLUMNS=1024),
         "reduce_rows": dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
         "sum_splits": dict(BLOCK=512, num_warps=4),
     },
     "cdna": {
-        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=2, num_stages=2, FILL=2),
+        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=2, num_stages=2, FILL=2, TRACED_COLUMNS=1024),
         "reduce_rows": dict(BLOCK_M=32, BLOCK_N=128, num_warps=2, num_stages=2),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=2),
         "sum_splits": dict(BLOCK=512, num_warps=2),
     },
     "rdna": {
-        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=2, FILL=2),
+        "project": dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, num_stages=2, FILL=2, TRACED_COLUMNS=1024),
         "reduce_rows": dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=2),
         "add_low_rank": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4),
         "sum_splits": dict(BLOCK=512, num_warps=4),
@@ -271,10 +271,18 @@ def _column_splits(config, programs, widest, device, platform):
     most one a BLOCK_K of the widest input. FILL 0 (or none): one split. The interpreter counts one
     multiprocessor.
 
-    One split too where the host launches each kernel as the step runs (a GPU stream not being captured into a
-    CUDA graph): a split adds a launch to sum the partial products, 25–50 µs of the host's time, as long as the
-    projection takes on the GPU, in a step whose pace the host sets (under dynamic shapes: benchmarks/RESULTS.md,
-    SFT X). A CUDA graph replays its launches at no cost to the host, and there the split pays."""
+    One split too where the host launches each kernel from Python as the step runs (a GPU stream not being
+    captured into a CUDA graph): a split adds a launch to sum the partial products, 25–50 µs of the host's time, as
+    long as the projection takes on the GPU, in a step whose pace the host sets (under dynamic shapes:
+    benchmarks/RESULTS.md, SFT X). A CUDA graph replays its launches at no cost to the host, and there the split
+    pays. Traced into a graph (lowering/traced.py), the launch is Inductor's wrapper's, a few µs, but the row
+    count is a symbol, which no choice may branch on: the columns split in runs of config["TRACED_COLUMNS"]
+    whatever the rows (0 or none: one split). Its partial products then cost at most 2 · 4 · rank bytes a row for
+    every TRACED_COLUMNS columns of x read (6% at rank 16, 1,024 bf16 columns), and at 2,300 rows of Llama-3-8B's
+    4,096 columns a launch has 144 programs, not 36 (benchmarks/RESULTS.md, SFT AF)."""
+    if platform != "cpu" and layout.tracing():
+        columns = config.get("TRACED_COLUMNS", 0)
+        return layout.cdiv(widest, columns) if columns else 1
     fill = config.get("FILL", 0)
     if not fill or (platform != "cpu" and not layout.capturing()):
         return 1
@@ -288,7 +296,7 @@ def _split_size(size, splits, block):
 
 
 def _launch_options(config):
-    return {key: value for key, value in config.items() if key != "FILL"}
+    return {key: value for key, value in config.items() if key not in ("FILL", "TRACED_COLUMNS")}
 
 
 def _sum_splits(partial, first, second, splits, platform, scale_first=1.0):
@@ -324,7 +332,8 @@ def _project(x_rows, weight, stride_wr, stride_wk, rank, scale):
     if splits == 1:
         return partial[0]
     out = torch.empty((n_rows, rank), dtype=torch.float32, device=x_rows.device)
-    _sum_splits(partial, out, out, splits, platform)
+    # the second output empty: traced, a tensor passed as both outputs would be two results of one launch
+    _sum_splits(partial, out, out.new_empty(0), splits, platform)
     return out
 
 
