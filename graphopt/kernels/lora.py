@@ -418,7 +418,15 @@ def lora_linear_forward(x, weight, bias, lora_b, xa, scaling, out_dtype):
     rows = as_rows(x, x.shape[-1])
     xa = xa.reshape(-1, xa.shape[-1]).contiguous()  # the kernel reads it as [rows, rank] contiguous
     # B is [out, rank]: W[n, r] = B[n, r]
-    if out_dtype == rows.dtype:
+    if out_dtype == rows.dtype and layout.tracing():
+        # traced, an addmm onto the low-rank term would write a new tensor, and cuBLAS's addmm copies its input
+        # into a new output before the matmul (a device-to-device copy of the whole output: benchmarks/RESULTS.md,
+        # SFT AF): x·Wᵀ first, then the low-rank term and the bias added onto it in place, each element rounded
+        # once more, as PEFT adds its fp32 term to the rounded base
+        out = torch.mm(rows, weight.t())
+        _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0], bias,
+                      base=out, in_place=True)
+    elif out_dtype == rows.dtype:
         # the low-rank term (and the bias) written first, then cuBLAS adds the base matmul onto it (β = 1): the
         # output is read again in the epilogue of a compute-bound matmul, not in a memory-bound pass of its own
         out = _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0], bias)
