@@ -2,15 +2,15 @@
 
     python tests/traced_launches.py LAYERS [WIDTH]        → one JSON line: what the traced graph holds
 
-A graph of LAYERS LoRA layers' graphopt calls (their input WIDTH features wide, 64 if not given) (forward and backward) and a gated activation's backward each, over a
-symbolic token count, as Dynamo's dynamic graphs have it, goes through the post-grad pass that traces their launch
-functions, then through Inductor's lowering (its IR, without code generation). Each layer's input and gradient are
-pointwise values computed in the graph, as a model's are; each gated backward's gate and up too, which no later
-node reads but in the last layer (which returns its gate as well). The launch settings are NVIDIA's, taken on CPU tensors (kernels/layout.py
-platform); the eager launch that fits the configs needs a GPU and stands aside, and torch's analysis of which
-arguments a kernel writes (it compiles the kernel for the GPU) gives way to the kernels' declared outputs.
-tests/test_lowering.py runs this in a process of its own: Triton's interpreter (which the CPU tests use) makes
-kernels that cannot be traced.
+A graph of LAYERS LoRA layers' graphopt calls (forward and backward, their input WIDTH features wide, 64 if not
+given) and a gated activation's backward each, over a symbolic token count, as Dynamo's dynamic graphs have it, goes
+through the post-grad pass that traces their launch functions, then through Inductor's lowering (its IR, without
+code generation). Each layer's input and gradient are pointwise values computed in the graph, as a model's are; each
+gated backward's gate and up too, which no later node reads but in the last layer (which returns its gate as well).
+The launch settings are NVIDIA's, taken on CPU tensors (kernels/layout.py platform); the eager launch that fits the
+configs needs a GPU and stands aside, and torch's analysis of which arguments a kernel writes (it compiles the
+kernel for the GPU) gives way to the kernels' declared outputs. tests/test_lowering.py runs this in a process of its
+own: Triton's interpreter (which the CPU tests use) makes kernels that cannot be traced.
 """
 
 import json
@@ -134,6 +134,7 @@ def main(layers, width):
     launches = [n.kwargs for n in gm.graph.find_nodes(op="call_function",
                                                      target=torch.ops.higher_order.triton_kernel_wrapper_functional)]
     side_table = triton_kernel_wrap.kernel_side_table
+
     def named(name):
         return [k for k in launches if side_table.get_kernel(k["kernel_idx"]).fn.__name__ == name]
 

@@ -14,9 +14,9 @@ dA's and dB's partial sums over splits of the rows in one, their sum in one, and
 which dY·W is added. Where too few row blocks would leave multiprocessors idle, the projections split the columns
 too, and one more launch sums the partial products (CONFIGS' FILL; TRACED_COLUMNS where the row count is a
 symbol). The rank-r products keep fp32's accuracy on tensor cores: with a bf16 x, bf16 dots on the fp32 operand
-split in two bf16 parts (below, _split); otherwise "tf32x3", three TF32 products (PEFT's fp32 matmuls run without TF32). Plain fp32
-"ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (2.4x slower in the 1B step
-on the H200, benchmarks/RESULTS.md).
+split in two bf16 parts (below, _split); otherwise "tf32x3", three TF32 products (PEFT's fp32 matmuls run without
+TF32). Plain fp32 "ieee" dots run on the CUDA cores, which made these memory-bound kernels compute-bound (2.4x slower
+in the 1B step on the H200, benchmarks/RESULTS.md).
 """
 
 import torch
@@ -177,8 +177,8 @@ PRECISION = {"cuda": "tf32x3", "cdna": "bf16x6", "rdna": "bf16x6", "cpu": "ieee"
 
 # Launch configurations per platform (kernels/layout.py). CUDA: benchmarks/lora_configs.py on the H200 at the
 # Llama-3.2-1B and Llama-3-8B shapes (benchmarks/RESULTS.md, 2026-12-01: CUDA graphs by default): project and
-# reduce_rows the configs in the top two at both shapes (project: BLOCK_K 128 over 64, −10% at 8B, −20% at 1B; reduce_rows: BLOCK_M 32,
-# −25% at 1B, −47% at 8B); add_low_rank and sum_splits within the sweep's noise of the best. AMD, CDNA (MI300
+# reduce_rows the configs in the top two at both shapes (project: BLOCK_K 128 over 64, −10% at 8B, −20% at 1B;
+# reduce_rows: BLOCK_M 32, −25% at 1B, −47% at 8B); add_low_rank and sum_splits within the sweep's noise of the best. AMD, CDNA (MI300
 # gfx942, MI250 gfx90a) and RDNA (gfx1100): CUDA's blocks under two rules, not measured (there is no AMD hardware
 # to tune on); compiled for gfx942 and gfx1100 in CI (tests/test_aot.py). 1: the threads per program
 # CUDA's were tuned with (layout.num_warps): half the num_warps on CDNA's 64-wide wavefronts, the same on RDNA's
