@@ -54,6 +54,7 @@ elif _variant_in_argv(sys.argv[1:]) == "graphopt":
     import graphopt  # noqa: F401
 
 import argparse
+import bisect
 import datetime
 import gc
 import json
@@ -346,6 +347,7 @@ def profile_steps(forward, optimizer, batch, device, path, steps=2, autocast=Non
         print(f"    {time_of(e) / 1000 / steps:8.2f} ms/step ×{e.count // steps:<5} {e.key[:100]}", file=sys.stderr)
     if device.type == "cuda":
         print_stream_timeline(path, steps)
+        print_device_copies(path, steps)
         print_host_time(prof, steps)
 
 
@@ -396,6 +398,41 @@ def print_stream_timeline(trace_path, steps):
               f"(copies {copies / 1000 / steps:.1f}), idle {sum(gaps) / 1000 / steps:.1f} ms/step in "
               f"{len(gaps) // steps} gaps, {len(long_gaps) // steps} of them ≥100 µs "
               f"({sum(long_gaps) / 1000 / steps:.1f} ms/step)", file=sys.stderr)
+
+
+def print_device_copies(trace_path, steps, top=8, nesting=3):
+    """The device-to-device copies of the profiled steps, by the host ops that made them (the innermost `nesting`
+    ops enclosing each copy's runtime call): a whole activation copied where no op of the model asks for one is
+    memory traffic to find (benchmarks/RESULTS.md, SFT AF)."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    calls = {e["args"]["correlation"]: e for e in events
+             if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops = {}  # thread → its CPU ops, by start
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops.setdefault(e["tid"], []).append(e)
+    for thread in ops.values():
+        thread.sort(key=lambda o: o["ts"])
+    starts = {tid: [o["ts"] for o in thread] for tid, thread in ops.items()}
+    made_by = {}  # chain of ops → (copies, µs)
+    for e in events:
+        if e.get("cat") != "gpu_memcpy" or "DtoD" not in e["name"]:
+            continue
+        call, chain = calls.get(e["args"].get("correlation")), "?"
+        if call is not None:
+            # the innermost enclosing ops start shortly before the call: among the nearest few hundred
+            first = bisect.bisect_right(starts.get(call["tid"], []), call["ts"])
+            enclosing = [o for o in ops.get(call["tid"], [])[max(0, first - 300):first]
+                         if o["ts"] + o["dur"] >= call["ts"] + call["dur"]]
+            chain = " ← ".join(o["name"][:50] for o in sorted(enclosing, key=lambda o: o["dur"])[:nesting]) or "?"
+        count, us = made_by.get(chain, (0, 0.0))
+        made_by[chain] = (count + 1, us + e["dur"])
+    if not made_by:
+        return
+    print("  device-to-device copies, by the host ops that made them (innermost first):", file=sys.stderr)
+    for chain, (count, us) in sorted(made_by.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"    {us / 1000 / steps:8.2f} ms/step ×{count // steps:<5} {chain}", file=sys.stderr)
 
 
 def allocations_at_peak(events, start):

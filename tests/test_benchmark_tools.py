@@ -38,6 +38,31 @@ def test_stream_timeline_is_printed_from_a_chrome_trace(tmp_path, capsys):
         capsys.readouterr().err)
 
 
+def test_device_copies_are_counted_by_the_host_ops_that_made_them(tmp_path, capsys):
+    """A device-to-device copy → its runtime call (the same correlation id) → the CPU ops enclosing that call on its
+    thread, innermost first; copies of other kinds are not counted."""
+    def op(name, ts, dur):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1, "args": {}}
+
+    def copy(correlation, ts, name="Memcpy DtoD (Device -> Device)"):
+        return [{"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": ts, "dur": 2, "tid": 1,
+                 "args": {"correlation": correlation}},
+                {"ph": "X", "cat": "gpu_memcpy", "name": name, "ts": ts + 5, "dur": 20, "tid": 9,
+                 "args": {"correlation": correlation, "stream": 7}}]
+
+    events = [op("graph", 0, 1000), op("aten::addmm", 10, 100), op("aten::copy_", 20, 10),
+              op("aten::addmm", 200, 100), op("aten::copy_", 210, 10), op("aten::clone", 400, 50),
+              op("aten::copy_", 410, 10), *copy(1, 22), *copy(2, 212), *copy(3, 412),
+              *copy(4, 600, "Memcpy HtoD (Pinned -> Device)")]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    train_step.print_device_copies(str(trace), steps=1)
+    err = capsys.readouterr().err
+    assert "0.04 ms/step ×2     aten::copy_ ← aten::addmm ← graph" in err
+    assert "0.02 ms/step ×1     aten::copy_ ← aten::clone ← graph" in err
+    assert "HtoD" not in err and err.count("ms/step") == 2
+
+
 def test_a_result_line_names_the_hosts_link_where_it_was_measured():
     result = {"variant": "unsloth", "options": None, "shape": "1b", "batch": 4, "seq": 2048, "dtype": "bf16",
               "device_name": "NVIDIA H200", "tokens_per_s": 52976.0, "step_ms": 154.6, "peak_alloc_gib": 3.65,
