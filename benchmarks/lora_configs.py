@@ -10,6 +10,9 @@ weighted by how often a training step of one layer calls it (the forward's x·A�
 The best config per kernel is what kernels/lora.py CONFIGS["cuda"] should hold; the reduce's number of programs
 is not swept: it is 4 × the GPU's SMs (kernels/layout.py multiprocessors). The projections' FILL is: the programs
 wanted a multiprocessor, made up by splitting the columns (0: no split); the time includes the sum of the splits.
+Their TRACED_COLUMNS is not swept: it splits the columns where the launches are traced into a graph of dynamic
+shapes (kernels/lora.py _column_splits), which these calls are not; the training step measures it
+(benchmarks/RESULTS.md, SFT AG).
 """
 
 import argparse
@@ -28,7 +31,8 @@ SHAPES = {"1b": dict(tokens=8192, hidden=2048, kv=512, intermediate=8192),
 
 
 GRIDS = {
-    "project": [dict(BLOCK_M=m, BLOCK_K=k, num_warps=w, num_stages=s, FILL=f)
+    "project": [dict(BLOCK_M=m, BLOCK_K=k, num_warps=w, num_stages=s, FILL=f,
+                     TRACED_COLUMNS=lora.CONFIGS["cuda"]["project"]["TRACED_COLUMNS"])
                 for m, k, w, s, f in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4), (0, 1, 2, 4))],
     "reduce_rows": [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=3)
                     for m, n, w in itertools.product((32, 64), (64, 128), (4, 8))],
