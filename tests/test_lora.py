@@ -102,7 +102,7 @@ KERNEL_DTYPES = [torch.float32, torch.float16] + [torch.bfloat16] * (DEVICE == "
 def test_kernels_match_fp64(r, shape, dtype, bias, scaling, seed, traced):
     """Forward and dX, dA, dB against the reference computed in fp64 from the same inputs (bias, shapes, ranks
     below and above the 16 a dot needs); also in the order the launch functions take when traced into a graph
-    (dX: dY·W first, the low-rank term added onto it in place), run eagerly."""
+    (x·Wᵀ and dY·W first, the low-rank terms added onto them in place), run eagerly."""
     from graphopt.kernels import layout
 
     tokens, in_features, out_features = shape
