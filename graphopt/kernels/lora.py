@@ -178,17 +178,20 @@ PRECISION = {"cuda": "tf32x3", "cdna": "bf16x6", "rdna": "bf16x6", "cpu": "ieee"
 # Launch configurations per platform (kernels/layout.py). CUDA: benchmarks/lora_configs.py on the H200 at the
 # Llama-3.2-1B and Llama-3-8B shapes (benchmarks/RESULTS.md, 2026-12-01: CUDA graphs by default): project and
 # reduce_rows the configs in the top two at both shapes (project: BLOCK_K 128 over 64, −10% at 8B, −20% at 1B;
-# reduce_rows: BLOCK_M 32, −25% at 1B, −47% at 8B); add_low_rank and sum_splits within the sweep's noise of the best. AMD, CDNA (MI300
-# gfx942, MI250 gfx90a) and RDNA (gfx1100): CUDA's blocks under two rules, not measured (there is no AMD hardware
-# to tune on); compiled for gfx942 and gfx1100 in CI (tests/test_aot.py). 1: the threads per program
-# CUDA's were tuned with (layout.num_warps): half the num_warps on CDNA's 64-wide wavefronts, the same on RDNA's
-# 32-wide ones. 2: two pipeline stages where a loop feeds tl.dot (project over K, reduce_rows over rows), the depth
-# Triton's AMD stream pipeliner is built for; add_low_rank has no loop and sum_splits no dot, so they keep Triton's
-# default.
+# reduce_rows: BLOCK_M 32, −25% at 1B, −47% at 8B); add_low_rank and sum_splits within the sweep's noise of the
+# best. AMD, CDNA (MI300 gfx942, MI250 gfx90a) and RDNA (gfx1100): CUDA's blocks under two rules, not measured
+# (there is no AMD hardware to tune on); compiled for gfx942 and gfx1100 in CI (tests/test_aot.py). 1: the threads
+# per program CUDA's were tuned with (layout.num_warps): half the num_warps on CDNA's 64-wide wavefronts, the same
+# on RDNA's 32-wide ones. 2: two pipeline stages where a loop feeds tl.dot (project over K, reduce_rows over rows),
+# the depth Triton's AMD stream pipeliner is built for; add_low_rank has no loop and sum_splits no dot, so they keep
+# Triton's default.
 # The projections' FILL (programs wanted a multiprocessor, made up by splitting the columns: _column_splits) is 2,
 # in the sweep's top four at both shapes in two runs on the H200 (benchmarks/RESULTS.md, QLoRA, "The projections
 # over split columns: outcome"): the projections −21% at 8B (4,096 rows: 64 row blocks for 132 multiprocessors),
 # within the sweep's noise at 1B (8,192 rows); the lean QLoRA 8B step −7 ms. CDNA and RDNA take CUDA's FILL.
+# TRACED_COLUMNS (the columns a split spans where the launches are traced and the row count is a symbol:
+# _column_splits) is 1,024 on every GPU platform, not swept: the partial products then cost 6% of x's reads at rank
+# 16 (benchmarks/RESULTS.md, SFT AG).
 # CPU (the interpreter): large blocks, so that its Python-level loops are few.
 CONFIGS = {
     "cuda": {
@@ -396,6 +399,24 @@ def _add_low_rank(xa, weight, stride_wn, stride_wr, scale, out_dtype, n_cols, bi
     return out
 
 
+def _matmul_plus_low_rank(a, b, low, weight, stride_wn, stride_wr, scale, bias=None):
+    """a·b + scale · low · Wᵀ (+ bias) [rows, n] in a's dtype, W given as (tensor, strides of its [n, rank] view):
+    a LoRA layer's output (a·b = x·Wᵀ) or its dX (a·b = dY·W).
+
+    Eagerly, the low-rank term (and the bias) is written first and cuBLAS adds the matmul onto it (β = 1): the
+    output is read again in the epilogue of a compute-bound matmul, not in a memory-bound pass of its own. Traced
+    into a graph (lowering/traced.py), that addmm_ becomes a functional addmm, which writes a new tensor beside the
+    term and, in cuBLAS, copies the term into it before the matmul (benchmarks/RESULTS.md, SFT AD and AF): there
+    the matmul comes first and the term is added onto it in place, each element rounded once more."""
+    if layout.tracing():
+        out = torch.mm(a, b)
+        _add_low_rank(low, weight, stride_wn, stride_wr, scale, a.dtype, b.shape[1], bias, base=out, in_place=True)
+    else:
+        out = _add_low_rank(low, weight, stride_wn, stride_wr, scale, a.dtype, b.shape[1], bias)
+        out.addmm_(a, b)
+    return out
+
+
 def supported(x, weight, lora_a, lora_b) -> bool:
     """The kernels compute PEFT's default dtypes: fp32 adapters on a base of x's dtype."""
     return lora_a.dtype == lora_b.dtype and supported_dtypes(x.dtype, weight.dtype, lora_a.dtype)
@@ -418,19 +439,8 @@ def lora_linear_forward(x, weight, bias, lora_b, xa, scaling, out_dtype):
     rows = as_rows(x, x.shape[-1])
     xa = xa.reshape(-1, xa.shape[-1]).contiguous()  # the kernel reads it as [rows, rank] contiguous
     # B is [out, rank]: W[n, r] = B[n, r]
-    if out_dtype == rows.dtype and layout.tracing():
-        # traced, an addmm onto the low-rank term would write a new tensor, and cuBLAS's addmm copies its input
-        # into a new output before the matmul (a device-to-device copy of the whole output: benchmarks/RESULTS.md,
-        # SFT AF): x·Wᵀ first, then the low-rank term and the bias added onto it in place, each element rounded
-        # once more, as PEFT adds its fp32 term to the rounded base
-        out = torch.mm(rows, weight.t())
-        _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0], bias,
-                      base=out, in_place=True)
-    elif out_dtype == rows.dtype:
-        # the low-rank term (and the bias) written first, then cuBLAS adds the base matmul onto it (β = 1): the
-        # output is read again in the epilogue of a compute-bound matmul, not in a memory-bound pass of its own
-        out = _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0], bias)
-        out.addmm_(rows, weight.t())
+    if out_dtype == rows.dtype:
+        out = _matmul_plus_low_rank(rows, weight.t(), xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, bias)
     else:  # a wider output (PEFT's 4-bit layer under autocast): the base is rounded to its dtype first, as there
         base = torch.nn.functional.linear(rows, weight, bias)
         out = _add_low_rank(xa, lora_b, lora_b.stride(0), lora_b.stride(1), scaling, out_dtype, weight.shape[0],
@@ -445,17 +455,8 @@ def lora_linear_backward(grad_out, x, xa, weight, lora_a, lora_b, scaling):
     grad_xa = _project(grad, lora_b, lora_b.stride(1), lora_b.stride(0), lora_b.shape[1], scaling)
     # d(xa)ᵀ · x [rank, in], scaling · dYᵀ · xa [out, rank]
     grad_a, grad_b = _reduce_rows_pair(rows, grad, xa.reshape(-1, xa.shape[-1]).contiguous(), grad_xa, scaling)
-    # dX = d(xa)·A + dY·W; A is [rank, in]: W[n, r] = A[r, n]
-    if layout.tracing():
-        # traced, cuBLAS's addmm would write a new [rows, in] beside the low-rank term it adds onto (the trace is
-        # functional): dY·W first, then the low-rank term added onto it in place, rounded once. The MLP's down
-        # projection holds the lean step's peak there (benchmarks/RESULTS.md, SFT AD).
-        grad_x = torch.mm(grad.to(weight.dtype), weight)
-        _add_low_rank(grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, rows.shape[1],
-                      base=grad_x, in_place=True)
-    else:
-        # the low-rank term rounded to x's dtype (as autograd's accumulation of two gradients rounds it), then
-        # cuBLAS adds dY·W onto it: read in the epilogue of a compute-bound matmul, not in a memory-bound kernel
-        grad_x = _add_low_rank(grad_xa, lora_a, lora_a.stride(1), lora_a.stride(0), 1.0, x.dtype, rows.shape[1])
-        grad_x.addmm_(grad.to(weight.dtype), weight)
+    # dX = dY·W + d(xa)·A, the low-rank term rounded to x's dtype as autograd's accumulation of two gradients
+    # rounds it; A is [rank, in]: W[n, r] = A[r, n]
+    grad_x = _matmul_plus_low_rank(grad.to(weight.dtype), weight, grad_xa, lora_a, lora_a.stride(1),
+                                   lora_a.stride(0), 1.0)
     return grad_x.view(x.shape), grad_a, grad_b
