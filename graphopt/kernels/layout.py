@@ -112,8 +112,10 @@ def once_per_tensor(derive):
     reused while that same tensor, unchanged, comes back: the other layers of the forward, the backward, a
     recomputed forward. Only the last tensor is kept (a new batch replaces it). A tensor is the same one when it is
     the same object with the same version counter, which every in-place write through torch bumps; a Triton kernel
-    writing into a buffer does not, so t must be a graph input (which compiled code never writes), not a buffer
-    the graph computes. Inference tensors have no version counter and are derived at every call."""
+    writing into a buffer does not, so t must be a graph input (which compiled code never writes) or a buffer the
+    graph computes once and every layer reads (the padded attention's keep, passes/attention.py _on_device):
+    compiled code hands a buffer on to another value only after its last reader. Inference tensors have no version
+    counter and are derived at every call."""
     last = [None, -1, None]  # a weak reference to the tensor, its version, derive's result
 
     @functools.wraps(derive)

@@ -45,8 +45,11 @@ def supported(q, k, v) -> bool:
                                      torch.cuda.get_device_capability(q.device)) is None
 
 
+@layout.once_per_tensor
 def _sequences(keep):
-    """(each row's token order with its kept tokens first, cumulative sequence starts [2·B + 1] int32)."""
+    """(each row's token order with its kept tokens first, cumulative sequence starts [2·B + 1] int32), once for
+    the keep every layer's forward and backward read: about ten small launches, from the host, a call (64 calls
+    a step at 8B, benchmarks/RESULTS.md, SFT AF)."""
     batch, length = keep.shape
     order = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)
     kept = keep.sum(1, dtype=torch.int32)
@@ -120,8 +123,8 @@ def window_sizes(window):
 
 def padded_attention_forward(q, k, v, keep, scale, window=None):
     batch, _, length, _ = q.shape
-    keep = keep.contiguous()
     order, bounds = _sequences(keep)
+    keep = keep.contiguous()
     longest = longest_for_kernels(length)
     out, lse = torch.ops.aten._flash_attention_forward(
         _flat(q, order), _flat(k, order), _flat(v, order), bounds, bounds, longest, longest, 0.0, True, False,
@@ -131,8 +134,8 @@ def padded_attention_forward(q, k, v, keep, scale, window=None):
 
 def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale, window=None):
     batch, _, length, _ = q.shape
-    keep = keep.contiguous()
     order, bounds = _sequences(keep)
+    keep = keep.contiguous()
     longest = longest_for_kernels(length)
     no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state dropout would have used
     grads = torch.ops.aten._flash_attention_backward(
