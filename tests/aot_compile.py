@@ -84,13 +84,11 @@ def run_launch_functions(dtypes):
         cos, sin = randn(1, 32, 64, dtype=dtype), randn(1, 32, 64, dtype=dtype)
         rope.rope_forward(q, k, cos, sin)
         rope.rope_backward(q, k, cos, sin)
-        # padded attention's token reordering (the flash kernels are aten's), both ways, padding zeroed or not
+        # padded attention's token reordering (the flash kernels are aten's), both ways
         keep = torch.arange(32)[None, :] < torch.tensor([[32], [20]])
-        order, _ = padded_attention._sequences(keep)
-        flat = padded_attention._flat(q, order, keep)
-        padded_attention._unflat(flat, order, None, 2, 32)
-        padded_attention._flat(k, order)
-        padded_attention._unflat(flat, order, keep, 2, 32)
+        order, bounds, _ = padded_attention._sequences(keep)
+        padded_attention._unflat(padded_attention._flat(q, order, bounds), order, bounds, 2, 32)
+        padded_attention._flat(k, order, bounds)
         lora_a, lora_b = randn(16, 256, dtype=torch.float32), randn(512, 16, dtype=torch.float32)
         weight = randn(512, 256, dtype=dtype)
         x = randn(64, 256, dtype=dtype)

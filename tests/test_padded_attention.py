@@ -133,9 +133,9 @@ def test_cuda_runs_the_flash_kernels():
        kind=st.sampled_from(["right", "left", "holes"]), heads=st.integers(1, 5), dim=st.sampled_from([8, 24, 64]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), stored_bhld=st.booleans())
 def test_the_row_kernel_moves_tokens_as_indexing_does(lengths, extra, kind, heads, dim, dtype, stored_bhld):
-    """kernels/padded_attention.py's reordering (Triton; the interpreter on the CPU) against aten's indexing: to
-    the flat layout in each row's kept-first order and back, from [B, H, L, D] stored either way, with and
-    without the padding zeroed."""
+    """kernels/padded_attention.py's reordering (Triton; the interpreter on the CPU) against aten's indexing: the
+    batch's kept tokens to the front of the flat layout, row after row, and back with the padding zero, from
+    [B, H, L, D] stored either way; the sequences' bounds one a row over its kept tokens."""
     from graphopt.kernels import padded_attention
 
     length = max(lengths) + extra
@@ -144,16 +144,15 @@ def test_the_row_kernel_moves_tokens_as_indexing_does(lengths, extra, kind, head
     shape = (len(lengths), heads, length, dim) if stored_bhld else (len(lengths), length, heads, dim)
     x = torch.randn(shape, generator=g).to(dtype)
     x = x if stored_bhld else x.transpose(1, 2)
-    order, _ = padded_attention._sequences(keep)
-    rows = torch.arange(len(lengths))[:, None]
-    expected = x.transpose(1, 2)[rows, order].reshape(-1, heads, dim)
-    assert torch.equal(padded_attention._flat(x, order), expected)
-    zeroed = (x * keep[:, None, :, None]).transpose(1, 2)[rows, order].reshape(-1, heads, dim)
-    assert torch.equal(padded_attention._flat(x, order, keep), zeroed)
-    back = padded_attention._unflat(expected, order, None, len(lengths), length)
-    assert back.shape == x.shape and back.transpose(1, 2).is_contiguous() and torch.equal(back, x)
-    assert torch.equal(padded_attention._unflat(expected, order, keep, len(lengths), length),
-                       x * keep[:, None, :, None])
+    order, bounds, padding = padded_attention._sequences(keep)
+    kept = keep.sum().item()
+    assert bounds.tolist() == [0, *keep.sum(1).cumsum(0).tolist()] and bounds.dtype == torch.int32
+    assert padding.tolist() == [row >= kept for row in range(keep.numel())]
+    tokens = x.transpose(1, 2).reshape(-1, heads, dim)  # [B·L, H, D], row b's token t at b·L + t
+    assert torch.equal(padded_attention._flat(x, order, bounds)[:kept], tokens[keep.flatten()])
+    back = padded_attention._unflat(tokens[order], order, bounds, len(lengths), length)
+    assert back.shape == x.shape and back.transpose(1, 2).is_contiguous()
+    assert torch.equal(back, x * keep[:, None, :, None])
 
 
 # Mistral's sliding window (its mask adds kv > q - window) narrower than the sentences, so that it bites

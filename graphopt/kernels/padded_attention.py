@@ -1,15 +1,18 @@
 """graphopt::padded_attention on NVIDIA GPUs: FlashAttention-2's variable-length kernels (aten's
 _flash_attention_forward/_backward), which skip what the mask excludes instead of computing it and masking.
 
-Each row's kept tokens are gathered to its front, in order (a stable sort of the padding flags), and the batch is
-handed to the kernels as 2·B causal sequences of one flat [B·L, H, D] layout: row b's kept tokens, then its padding.
-The count is fixed (2·B), so nothing here waits for the GPU and a graph of symbolic length stays one graph. The
-padding's own sequence computes something finite that the output then zeroes (the op's definition,
-kernels/reference.py); its gradient is zeroed before the backward, so it contributes nothing.
+The batch's kept tokens are gathered to the front of one flat [B·L, H, D] layout, row after row, each row's in
+order (a stable sort of the padding flags), and handed to the kernels as B causal sequences, one a row; the
+padding's rows follow, which the kernels neither read nor write. The count is fixed (B), so nothing here waits for
+the GPU and a graph of symbolic length stays one graph. The output and the gradients are zero at the padding (the
+op's definition, kernels/reference.py). Each row's padding was once a causal sequence of its own, computed and then
+zeroed: in a batch of one long row and one short one, the short row's padding cost about as much as the long row,
+nearly half the kernels' work (benchmarks/RESULTS.md, SFT AI).
 
 The reordering is one Triton launch per tensor (_rows_kernel), a program per token moving all its heads, the
-zeroing of the padding folded in: aten's advanced indexing takes an index kernel plus index and fill launches per
-tensor, and reaches about a quarter of the H200's memory bandwidth (benchmarks/RESULTS.md, SFT section R).
+padding's rows skipped one way and written as zeros the other: aten's advanced indexing takes an index kernel plus
+index and fill launches per tensor, and reaches about a quarter of the H200's memory bandwidth
+(benchmarks/RESULTS.md, SFT section R).
 
 A sliding window is the kernels' own (window_size_left), counted along each sequence: exact where a row's kept
 tokens are one run (left or right padding, what tokenizers and HF's collators make). Where padding sits between
@@ -47,64 +50,66 @@ def supported(q, k, v) -> bool:
 
 @layout.once_per_tensor
 def _sequences(keep):
-    """(each row's token order with its kept tokens first, cumulative sequence starts [2·B + 1] int32), once for
-    the keep every layer's forward and backward read: about ten small launches, from the host, a call (64 calls
-    a step at 8B, benchmarks/RESULTS.md, SFT AF)."""
-    batch, length = keep.shape
-    order = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)
+    """(the flat indices b·L + t of the batch's kept tokens, row after row, then of its padding [B·L]; cumulative
+    sequence starts [B + 1] int32, one sequence a row over its kept tokens; [B·L] bool, true at the padding's
+    rows in that order), once for the keep every layer's forward and backward read: a few small launches from
+    the host, which each of the 8B step's 64 calls made (benchmarks/RESULTS.md, SFT AF)."""
+    order = torch.argsort((~keep.flatten()).to(torch.uint8), stable=True)
     kept = keep.sum(1, dtype=torch.int32)
-    starts = torch.arange(batch, dtype=torch.int32, device=keep.device) * length
-    bounds = torch.stack([starts, starts + kept], dim=1).flatten()
-    return order, torch.cat([bounds, bounds.new_full((1,), batch * length)])
+    bounds = torch.cat([kept.new_zeros(1), kept.cumsum(0, dtype=torch.int32)])
+    return order, bounds, torch.arange(keep.numel(), device=keep.device) >= bounds[-1]
 
 
 @triton.jit(do_not_specialize=["length"])
 def _rows_kernel(
-    PADDED, FLAT, ORDER, KEEP, length, heads, dim,
+    PADDED, FLAT, ORDER, KEPT, length, heads, dim,
     stride_pb, stride_ph, stride_pl, stride_pd, stride_fr, stride_fh, stride_fd,
-    TO_FLAT: tl.constexpr, MASKED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    TO_FLAT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # flat row r = b·length + t holds the token at position ORDER[b, t] of row b of the padded layout
+    # flat row r holds the token at flat index ORDER[r] = b·length + t of the padded layout; the rows from KEPT[0]
+    # (the batch's kept tokens) on are its padding: not moved to the flat layout, written as zeros back from it
     row = tl.program_id(0).to(tl.int64)
-    batch = row // length
-    position = tl.load(ORDER + row)
+    index = tl.load(ORDER + row)
+    batch = index // length
+    position = index - batch * length
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     inside = (h < heads) & (d < dim)
+    # the heads a kept token moves: all, or none (a product, as Triton's interpreter mishandles a scalar bool's &)
+    moved = (h < heads * (row < tl.load(KEPT)).to(tl.int32)) & (d < dim)
     padded = PADDED + batch * stride_pb + position * stride_pl + h * stride_ph + d * stride_pd
     flat = FLAT + row * stride_fr + h * stride_fh + d * stride_fd
-    x = tl.load(padded if TO_FLAT else flat, mask=inside, other=0.0)
-    if MASKED:  # the padding's tokens as zeros
-        x = tl.where(tl.load(KEEP + batch * length + position) != 0, x, tl.zeros_like(x))
-    tl.store(flat if TO_FLAT else padded, x, mask=inside)
+    if TO_FLAT:
+        tl.store(flat, tl.load(padded, mask=moved), mask=moved)
+    else:
+        tl.store(padded, tl.load(flat, mask=moved, other=0.0), mask=inside)
 
 
-def _move_rows(padded, flat, order, keep, to_flat):
-    """Between padded [B, H, L, D] (any strides) and flat [B·L, H, D] in `order`, either way; with keep [B, L]
-    (contiguous), the padding's tokens written as zeros."""
+def _move_rows(padded, flat, order, bounds, to_flat):
+    """Between padded [B, H, L, D] (any strides) and flat [B·L, H, D] in `order`, either way: the padding's rows
+    of flat neither written nor read, its tokens of padded written as zeros."""
     batch, heads, length, dim = padded.shape
     if batch * length == 0:
         return
     block_h, block_d = layout.next_power_of_2(heads), layout.next_power_of_2(dim)
     _rows_kernel[(batch * length,)](
-        padded, flat, order, keep if keep is not None else order, length, heads, dim, *padded.stride(),
-        *flat.stride(), TO_FLAT=to_flat, MASKED=keep is not None, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=layout.num_warps(padded, 4 if block_h * block_d <= 4096 else 8))
+        padded, flat, order, bounds[batch:], length, heads, dim, *padded.stride(), *flat.stride(), TO_FLAT=to_flat,
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=layout.num_warps(padded, 4 if block_h * block_d <= 4096 else 8))
 
 
-def _flat(x, order, keep=None):
-    """x [B, H, L, D] → [B·L, H, D], each row's tokens in `order`; with keep, the padding's tokens zero."""
+def _flat(x, order, bounds):
+    """x [B, H, L, D] → [B·L, H, D], the kept tokens first, in `order`; the padding's rows left unwritten."""
     batch, heads, length, dim = x.shape
     out = torch.empty(batch * length, heads, dim, dtype=x.dtype, device=x.device)
-    _move_rows(x, out, order, keep, to_flat=True)
+    _move_rows(x, out, order, bounds, to_flat=True)
     return out
 
 
-def _unflat(y, order, keep, batch, length):
-    """The inverse of _flat: [B·L, H, D] in `order` → [B, H, L, D] stored [B, L, H, D] (the op's output layout);
-    with keep, the padding's tokens zero."""
+def _unflat(y, order, bounds, batch, length):
+    """The inverse of _flat: [B·L, H, D] in `order` → [B, H, L, D] stored [B, L, H, D] (the op's output layout),
+    the padding's tokens zero."""
     out = torch.empty(batch, length, *y.shape[1:], dtype=y.dtype, device=y.device).transpose(1, 2)
-    _move_rows(out, y, order, keep, to_flat=False)
+    _move_rows(out, y, order, bounds, to_flat=False)
     return out
 
 
@@ -123,23 +128,23 @@ def window_sizes(window):
 
 def padded_attention_forward(q, k, v, keep, scale, window=None):
     batch, _, length, _ = q.shape
-    order, bounds = _sequences(keep)
-    keep = keep.contiguous()
+    order, bounds, padding = _sequences(keep)
     longest = longest_for_kernels(length)
     out, lse = torch.ops.aten._flash_attention_forward(
-        _flat(q, order), _flat(k, order), _flat(v, order), bounds, bounds, longest, longest, 0.0, True, False,
-        scale=scale, **window_sizes(window))[:2]
-    return _unflat(out, order, keep, batch, length), lse
+        _flat(q, order, bounds), _flat(k, order, bounds), _flat(v, order, bounds), bounds, bounds, longest, longest,
+        0.0, True, False, scale=scale, **window_sizes(window))[:2]
+    # [heads, B·L] in `order`, of which the kernels write the kept tokens' rows only: the padding's set to 0, as the
+    # reference's are (its rows in the reference's order; lse passes from this forward to this backward only)
+    lse.masked_fill_(padding, 0.0)
+    return _unflat(out, order, bounds, batch, length), lse
 
 
 def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale, window=None):
     batch, _, length, _ = q.shape
-    order, bounds = _sequences(keep)
-    keep = keep.contiguous()
+    order, bounds, _ = _sequences(keep)
     longest = longest_for_kernels(length)
     no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state dropout would have used
     grads = torch.ops.aten._flash_attention_backward(
-        _flat(grad_out, order, keep), _flat(q, order), _flat(k, order), _flat(v, order),
-        _flat(out, order), lse, bounds, bounds, longest, longest, 0.0, True, no_dropout,
-        torch.empty(0, device=q.device), scale=scale, **window_sizes(window))
-    return tuple(_unflat(g, order, None, batch, length) for g in grads)
+        *(_flat(t, order, bounds) for t in (grad_out, q, k, v, out)), lse, bounds, bounds, longest, longest, 0.0,
+        True, no_dropout, torch.empty(0, device=q.device), scale=scale, **window_sizes(window))
+    return tuple(_unflat(g, order, bounds, batch, length) for g in grads)
