@@ -133,16 +133,18 @@ def test_cuda_runs_the_flash_kernels():
        kind=st.sampled_from(["right", "left", "holes"]), heads=st.integers(1, 5), dim=st.sampled_from([8, 24, 64]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), stored_bhld=st.booleans())
 def test_the_row_kernel_moves_tokens_as_indexing_does(lengths, extra, kind, heads, dim, dtype, stored_bhld):
-    """kernels/padded_attention.py's reordering (Triton; the interpreter on the CPU) against aten's indexing: the
-    batch's kept tokens to the front of the flat layout, row after row, and back with the padding zero, from
-    [B, H, L, D] stored either way; the sequences' bounds one a row over its kept tokens."""
+    """kernels/padded_attention.py's reordering (Triton: on the GPU where there is one, else the interpreter on the
+    CPU) against aten's indexing: the batch's kept tokens to the front of the flat layout, row after row, and back
+    with the padding zero, from [B, H, L, D] stored either way; the sequences' bounds one a row over its kept
+    tokens."""
     from graphopt.kernels import padded_attention
 
+    device = DEVICES[-1]
     length = max(lengths) + extra
-    keep = keep_mask(lengths, length, left=kind == "left", holes=kind == "holes")
+    keep = keep_mask(lengths, length, left=kind == "left", holes=kind == "holes").to(device)
     g = torch.Generator().manual_seed(len(lengths) * 100 + length)
     shape = (len(lengths), heads, length, dim) if stored_bhld else (len(lengths), length, heads, dim)
-    x = torch.randn(shape, generator=g).to(dtype)
+    x = torch.randn(shape, generator=g).to(device, dtype)
     x = x if stored_bhld else x.transpose(1, 2)
     order, bounds, padding = padded_attention._sequences(keep)
     kept = keep.sum().item()
