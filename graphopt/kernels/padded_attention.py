@@ -5,9 +5,9 @@ The batch's kept tokens are gathered to the front of one flat [B·L, H, D] layou
 order (a stable sort of the padding flags), and handed to the kernels as B causal sequences, one a row; the
 padding's rows follow, which the kernels neither read nor write. The count is fixed (B), so nothing here waits for
 the GPU and a graph of symbolic length stays one graph. The output and the gradients are zero at the padding (the
-op's definition, kernels/reference.py). Each row's padding was once a causal sequence of its own, computed and then
-zeroed: in a batch of one long row and one short one, the short row's padding cost about as much as the long row,
-nearly half the kernels' work (benchmarks/RESULTS.md, SFT AI).
+op's definition, kernels/reference.py). Computed, as a causal sequence of its own, a row's padding would cost the
+kernels, in a batch of one long row and one short one, about as much as the long row (benchmarks/RESULTS.md, SFT
+AI).
 
 The reordering is one Triton launch per tensor (_rows_kernel), a program per token moving all its heads, the
 padding's rows skipped one way and written as zeros the other: aten's advanced indexing takes an index kernel plus
