@@ -101,8 +101,8 @@ KERNEL_DTYPES = [torch.float32, torch.float16] + [torch.bfloat16] * (DEVICE == "
        seed=st.integers(0, 2**16), traced=st.booleans())
 def test_kernels_match_fp64(r, shape, dtype, bias, scaling, seed, traced):
     """Forward and dX, dA, dB against the reference computed in fp64 from the same inputs (bias, shapes, ranks
-    below and above the 16 a dot needs); also in the order the launch functions take when traced into a graph
-    (x·Wᵀ and dY·W first, the low-rank terms added onto them in place), run eagerly."""
+    below and above the 16 a dot needs); also as the launch functions run when traced into a graph (on a GPU, the
+    projections' columns split in runs of TRACED_COLUMNS), run eagerly."""
     from graphopt.kernels import layout
 
     tokens, in_features, out_features = shape

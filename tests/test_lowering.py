@@ -277,9 +277,9 @@ def test_traced_launches_add_no_guard_and_repeat_one_trace_per_call():
     assert result["launches"] == 3 * 6 + 2
     assert result["gated_launches_in_place"] == [True, True]
     assert result["clones_after_reinplacing"] == []
-    # x·Wᵀ and dY·W, which the low-rank terms are then added onto in place: the trace is functional, so an addmm
-    # onto the term would write a second [tokens, out] beside it, and cuBLAS's addmm copies the term into it first
-    assert result["addmms"] == 0 and result["mms"] == 6
+    # x·Wᵀ and dY·W added onto the low-rank terms in place (traced._accumulate_in_place): the trace is functional,
+    # and its addmm would write a second [tokens, out] beside the term, which cuBLAS's addmm copies into it first
+    assert result["addmms"] == 0 and result["addmms_in_place"] == 6 and result["mms"] == 0
     # one per op (the gated backward's two forms, one each)
     assert sorted(result["traces"]) == sorted([f"graphopt.{op}.default" for op in (
         "lora_down", "lora_linear", "lora_linear_backward", "gated_activation_backward",

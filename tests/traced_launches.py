@@ -147,6 +147,7 @@ def main(layers, width):
         "gated_launches_in_place": gated,
         "projection_splits": [int(k["grid"][0][2]) for k in named("_project_kernel")],
         "addmms": sum(t is torch.ops.aten.addmm.default for t in targets),
+        "addmms_in_place": sum(t is torch.ops.aten.addmm_.default for t in targets),
         "mms": sum(t is torch.ops.aten.mm.default for t in targets),
         "traces": traces,
         "guards": [str(guard.expr) for guard in shape_env.guards],

@@ -66,8 +66,8 @@ def launches_traced():
 
 
 def tracing() -> bool:
-    """Whether launches_traced() is active: the launch function is being traced into a graph, where a matmul
-    writes a new tensor even where the eager call writes into its input (addmm_), as the trace is functional."""
+    """Whether launches_traced() is active: the launch function is being traced into a graph, whose sizes may be
+    symbols that no launch decision may branch on (kernels/lora.py _column_splits)."""
     return _traced
 
 

@@ -376,15 +376,13 @@ def _reduce_rows_pair(rows, grad, xa, grad_xa, scale_b):
     return grad_a, grad_b
 
 
-def _add_low_rank(xa, weight, stride_wn, stride_wr, scale, out_dtype, n_cols, bias=None, base=None,
-                  in_place=False):
+def _add_low_rank(xa, weight, stride_wn, stride_wr, scale, out_dtype, n_cols, bias=None, base=None):
     """scale · xa · Wᵀ [rows, n_cols] in out_dtype, W given as (tensor, strides of its [n_cols, rank] view), plus
-    bias and base where given, each element rounded once; written over base where in_place (base contiguous, of
-    out_dtype), else into a new tensor."""
+    bias and base where given, each element rounded once, into a new tensor."""
     n_rows = xa.shape[0]
     platform = layout.platform(xa)
     block_r = _block_r(xa.shape[1])
-    out = base if in_place else torch.empty((n_rows, n_cols), dtype=out_dtype, device=xa.device)
+    out = torch.empty((n_rows, n_cols), dtype=out_dtype, device=xa.device)
 
     def launch(config):
         grid = (layout.cdiv(n_rows, config["BLOCK_M"]), layout.cdiv(n_cols, config["BLOCK_N"]))
@@ -401,20 +399,12 @@ def _add_low_rank(xa, weight, stride_wn, stride_wr, scale, out_dtype, n_cols, bi
 
 def _matmul_plus_low_rank(a, b, low, weight, stride_wn, stride_wr, scale, bias=None):
     """a·b + scale · low · Wᵀ (+ bias) [rows, n] in a's dtype, W given as (tensor, strides of its [n, rank] view):
-    a LoRA layer's output (a·b = x·Wᵀ) or its dX (a·b = dY·W).
-
-    Eagerly, the low-rank term (and the bias) is written first and cuBLAS adds the matmul onto it (β = 1): the
-    output is read again in the epilogue of a compute-bound matmul, not in a memory-bound pass of its own. Traced
-    into a graph (lowering/traced.py), that addmm_ becomes a functional addmm, which writes a new tensor beside the
-    term and, in cuBLAS, copies the term into it before the matmul (benchmarks/RESULTS.md, SFT AD and AF): there
-    the matmul comes first and the term is added onto it in place, each element rounded once more."""
-    if layout.tracing():
-        out = torch.mm(a, b)
-        _add_low_rank(low, weight, stride_wn, stride_wr, scale, a.dtype, b.shape[1], bias, base=out, in_place=True)
-    else:
-        out = _add_low_rank(low, weight, stride_wn, stride_wr, scale, a.dtype, b.shape[1], bias)
-        out.addmm_(a, b)
-    return out
+    a LoRA layer's output (a·b = x·Wᵀ) or its dX (a·b = dY·W). The low-rank term (and the bias) is written first
+    and cuBLAS adds the matmul onto it (β = 1): the output is read again in the epilogue of a compute-bound matmul,
+    not in a memory-bound pass of its own. Traced into a graph, the accumulation stays in place
+    (lowering/traced.py _accumulate_in_place)."""
+    out = _add_low_rank(low, weight, stride_wn, stride_wr, scale, a.dtype, b.shape[1], bias)
+    return out.addmm_(a, b)
 
 
 def supported(x, weight, lora_a, lora_b) -> bool:

@@ -150,8 +150,28 @@ def _trace(op, function, flat, spec, inputs, values, overwrites=()) -> torch.fx.
     for n in traced.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
         if n.args[0] in overwritten:
             traced.graph.erase_node(n)
+    _accumulate_in_place(traced.graph)
     _check_writes(traced.graph, op, overwritten)
     return traced
+
+
+def _accumulate_in_place(graph: torch.fx.Graph) -> None:
+    """addmm(t, a, b) → addmm_(t, a, b) where t is a tensor the trace made (not an input, nor a view of one) that
+    nothing else reads. A launch function accumulates a matmul onto a term it wrote first (kernels/lora.py: the
+    low-rank term, then x·Wᵀ or dY·W added with β = 1, in the matmul's epilogue); functionalize makes that an
+    addmm, which writes a new tensor, and cuBLAS's addmm copies its input into it before the matmul: one whole
+    [tokens, out] copy per LoRA output and dX (benchmarks/RESULTS.md, SFT AF and AJ). In place, Inductor calls
+    aten's addmm_ on the term's buffer."""
+    graph.eliminate_dead_code()  # the decompositions' unused nodes, which would count as readers
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default):
+        term = node.args[0]
+        storage = get_node_storage(term) if isinstance(term, torch.fx.Node) else None
+        if storage is None:
+            continue
+        aliases = _sharing(term, storage)
+        readers = {user for alias in aliases for user in alias.users} - aliases
+        if readers == {node} and not any(alias.op in ("placeholder", "get_attr") for alias in aliases):
+            node.target = torch.ops.aten.addmm_.default  # its result the term itself, which its readers read
 
 
 def _realized(value):
@@ -183,14 +203,13 @@ def _signature(value):
     return str(value)
 
 
-_MADE = (torch.ops.aten.empty.memory_format, torch.ops.aten.mm.default)  # the trace's own tensors
+_MADE = (torch.ops.aten.empty.memory_format,)  # the trace's own tensors
 
 
 def _check_writes(graph: torch.fx.Graph, op, overwritten=()) -> None:
-    """The trace writes only tensors it made (allocations, matmuls' outputs) and the inputs overwritten
-    (placeholders) it overwrites. torch's analysis of which arguments a Triton kernel writes (its TTIR) can fail,
-    and then takes every argument as written: the graph would copy the op's inputs around each launch and write
-    the copies back into them."""
+    """The trace writes only tensors it made (allocations) and the inputs (placeholders) it overwrites. torch's
+    analysis of which arguments a Triton kernel writes (its TTIR) can fail, and then takes every argument as
+    written: the graph would copy the op's inputs around each launch and write the copies back into them."""
     for n in graph.nodes:
         if n.op == "get_attr":
             raise NotImplementedError(f"{op}: its launch function made a tensor constant")
