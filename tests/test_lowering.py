@@ -257,6 +257,12 @@ def test_allocations_move_beside_their_first_reader():
     assert cuda.allocations_beside_their_first_reader(unmoved) is unmoved
 
 
+def _compiling_env():
+    """The environment of tests/traced_launches.py's process: without Triton's interpreter, and with CI set, where
+    Inductor refuses what it is lenient with elsewhere (an implicit fallback for an aten op with a decomposition)."""
+    return {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "CI": "1"}
+
+
 def test_traced_launches_add_no_guard_and_repeat_one_trace_per_call():
     """lowering/traced.py on the NVIDIA launch path, without a GPU (tests/traced_launches.py, in a process of its
     own: Triton's interpreter, which the CPU tests use, cannot be traced): each LoRA op becomes its Triton launches
@@ -265,7 +271,7 @@ def test_traced_launches_add_no_guard_and_repeat_one_trace_per_call():
     are computed into one buffer each, however many kernels read them: without lowering/traced.py's _realized,
     Inductor computes a copy for each Triton kernel that reads one (x twice, the gradient three times a layer).
     The gated activation's backward writes its gradients over gate and up where nothing reads them after it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = _compiling_env()
     script = Path(__file__).with_name("traced_launches.py")
     run = subprocess.run([sys.executable, str(script), "3"], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -296,7 +302,7 @@ def test_traced_projections_split_their_columns_whatever_the_token_count():
     from graphopt.kernels import lora
 
     assert lora.CONFIGS["cuda"]["project"]["TRACED_COLUMNS"] == 1024
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = _compiling_env()
     script = Path(__file__).with_name("traced_launches.py")
     run = subprocess.run([sys.executable, str(script), "1", "2048"], env=env, capture_output=True, text=True,
                          timeout=600)

@@ -156,22 +156,43 @@ def _trace(op, function, flat, spec, inputs, values, overwrites=()) -> torch.fx.
 
 
 def _accumulate_in_place(graph: torch.fx.Graph) -> None:
-    """addmm(t, a, b) → addmm_(t, a, b) where t is a tensor the trace made (not an input, nor a view of one) that
-    nothing else reads. A launch function accumulates a matmul onto a term it wrote first (kernels/lora.py: the
-    low-rank term, then x·Wᵀ or dY·W added with β = 1, in the matmul's epilogue); functionalize makes that an
-    addmm, which writes a new tensor, and cuBLAS's addmm copies its input into it before the matmul: one whole
-    [tokens, out] copy per LoRA output and dX (benchmarks/RESULTS.md, SFT AF and AJ). In place, Inductor calls
-    aten's addmm_ on the term's buffer."""
+    """addmm(t, a, b) → graphopt_traced::addmm_(t, a, b) where t is a tensor the trace made (not an input, nor a view
+    of one) that nothing else reads. A launch function accumulates a matmul onto a term it wrote first
+    (kernels/lora.py: the low-rank term, then x·Wᵀ or dY·W added with β = 1, in the matmul's epilogue);
+    functionalize makes that an addmm, which writes a new tensor, and cuBLAS's addmm copies its input into it before
+    the matmul: one whole [tokens, out] copy per LoRA output and dX (benchmarks/RESULTS.md, SFT AF and AJ). In
+    place, Inductor calls aten's addmm_ on the term's buffer."""
     graph.eliminate_dead_code()  # the decompositions' unused nodes, which would count as readers
     for node in graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default):
         term = node.args[0]
         storage = get_node_storage(term) if isinstance(term, torch.fx.Node) else None
-        if storage is None:
+        if storage is None or node.kwargs:  # β and α other than 1 stay out of place
             continue
         aliases = _sharing(term, storage)
         readers = {user for alias in aliases for user in alias.users} - aliases
         if readers == {node} and not any(alias.op in ("placeholder", "get_attr") for alias in aliases):
-            node.target = torch.ops.aten.addmm_.default  # its result the term itself, which its readers read
+            with graph.inserting_before(node):
+                graph.call_function(ADDMM_, node.args)
+            node.replace_all_uses_with(term)  # the result is the term itself
+            graph.erase_node(node)
+
+
+# aten's addmm_ under a name of graphopt's own, returning nothing. Inductor has no lowering for aten.addmm_
+# (functionalization removes it from every graph it is given) and makes one at the first call, but refuses to where
+# the environment variable CI is set, the op having a decomposition. An op of another namespace Inductor calls only
+# if it returns no alias of what it writes. A plain op of the dispatcher, without torch.library.custom_op's Python
+# layers (lowering/direct.py): 3 µs of host time a call, against custom_op's 24 and aten's 2 (CPU).
+_LIBRARY = torch.library.Library("graphopt_traced", "DEF")
+_LIBRARY.define("addmm_(Tensor(a!) term, Tensor mat1, Tensor mat2) -> ()")
+
+
+def _addmm_(term, mat1, mat2):
+    term.addmm_(mat1, mat2)
+
+
+_LIBRARY.impl("addmm_", _addmm_, "CompositeExplicitAutograd")
+torch.library.register_fake("graphopt_traced::addmm_", lambda term, mat1, mat2: None, lib=_LIBRARY)
+ADDMM_ = torch.ops.graphopt_traced.addmm_.default
 
 
 def _realized(value):
