@@ -645,8 +645,8 @@ def run(args):
             graphopt.record_measured_peak(recording_peak if graphs else peak_alloc)
             print(next(line for line in graphopt.last_report().to_text().splitlines() if "estimated peak" in line),
                   file=sys.stderr)
-    if args.profile:
-        profile_steps(forward, optimizer, batches[-1], device, args.profile, autocast=autocast)
+    if args.profile:  # the first timed batch: the same whatever --steps, so runs of different lengths compare
+        profile_steps(forward, optimizer, batches[args.warmup], device, args.profile, autocast=autocast)
     if args.profile_new_length:
         new = batch_of_a_new_length(batches)
         print(f"\nA length no step had before ({new['input_ids'].shape[1]}), its first step:", file=sys.stderr)
@@ -859,7 +859,7 @@ def parse_args(argv):
                              "(benchmarks/engines.py)")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line of results to PATH")
     parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"keep_logits\": true}'")
-    parser.add_argument("--profile", metavar="PATH", help="then profile 2 more steps: print where the device "
+    parser.add_argument("--profile", metavar="PATH", help="then profile 2 more steps on the first timed batch: print where the device "
                         "time goes (kernels, the streams' idle gaps, device-to-device copies by the host ops that "
                         "made them, the host's time), write a chrome trace to PATH")
     parser.add_argument("--profile-new-length", metavar="PATH", help="then profile one step on a batch of a length "
