@@ -313,6 +313,37 @@ def test_traced_projections_split_their_columns_whatever_the_token_count():
     assert result["guards"] == [] and result["clones_after_reinplacing"] == []
 
 
+def test_traced_accumulate_adds_onto_the_term_in_place_in_inductors_code(monkeypatch):
+    """lowering/traced.py _accumulate_in_place as a post-grad pass, through Inductor's code generation and run (CPU):
+    the addmm onto a term nothing else reads becomes graphopt_traced::addmm_ on the term's buffer, one whose term is
+    read again stays an addmm, and the results equal eager's. With CI set, where Inductor calls no aten in-place op
+    it was not given."""
+    from torch._inductor.utils import run_and_get_code
+
+    from graphopt.lowering import traced
+
+    class Accumulate(CustomGraphPass):
+        def __call__(self, graph):
+            traced._accumulate_in_place(graph)
+
+        def uuid(self):
+            return "accumulate in place"
+
+    def step(x, a, b):
+        once = torch.addmm(torch.sin(x) * 2, a, b)  # the term read by the addmm alone
+        term = torch.cos(x)
+        twice = torch.addmm(term, a, b)  # and by the sum below
+        return once * 3, twice + term
+
+    monkeypatch.setenv("CI", "1")
+    torch._dynamo.reset()
+    inputs = torch.randn(64, 32), torch.randn(64, 16), torch.randn(16, 32)
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=Accumulate(), fx_graph_cache=False):
+        results, (code, *_) = run_and_get_code(torch.compile(step, backend="inductor"), *inputs)
+    assert code.count("torch.ops.graphopt_traced.addmm_.default(") == 1, code
+    assert all(relative_error(r, e) <= 1e-6 for r, e in zip(results, step(*inputs)))
+
+
 def test_an_op_whose_trace_fails_is_called_directly_and_the_note_says_so(monkeypatch):
     from graphopt.lowering import traced
     from graphopt.lowering.direct import DirectCalls, traced_note
