@@ -859,9 +859,9 @@ def parse_args(argv):
                              "(benchmarks/engines.py)")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line of results to PATH")
     parser.add_argument("--options", default="{}", help="graphopt's options as JSON, e.g. '{\"keep_logits\": true}'")
-    parser.add_argument("--profile", metavar="PATH", help="then profile 2 more steps on the first timed batch: print where the device "
-                        "time goes (kernels, the streams' idle gaps, device-to-device copies by the host ops that "
-                        "made them, the host's time), write a chrome trace to PATH")
+    parser.add_argument("--profile", metavar="PATH", help="then profile 2 more steps on the first timed batch: "
+                        "print where the device time goes (kernels, the streams' idle gaps, device-to-device copies "
+                        "by the host ops that made them, the host's time), write a chrome trace to PATH")
     parser.add_argument("--profile-new-length", metavar="PATH", help="then profile one step on a batch of a length "
                         "no step had (a new size for a graph of dynamic shapes), and the same batch once more: "
                         "PATH-new.json, PATH-seen.json")

@@ -139,7 +139,8 @@ def test_expandable_segments_are_turned_on_at_import_and_the_report_says_what_wa
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
     cuda.expandable_segments_on_import()
     assert settings == ["expandable_segments:True"]
-    assert cuda.prefer_expandable_segments() == "CUDA allocator: as PYTORCH_ALLOC_CONF=expandable_segments:False sets it"
+    assert (cuda.prefer_expandable_segments()
+            == "CUDA allocator: as PYTORCH_ALLOC_CONF=expandable_segments:False sets it")
 
 
 def test_compiled_graphs_call_the_ops_without_custom_op_layers():

@@ -161,7 +161,7 @@ def _accumulate_in_place(graph: torch.fx.Graph) -> None:
     (kernels/lora.py: the low-rank term, then x·Wᵀ or dY·W added with β = 1, in the matmul's epilogue);
     functionalize makes that an addmm, which writes a new tensor, and cuBLAS's addmm copies its input into it before
     the matmul: one whole [tokens, out] copy per LoRA output and dX (benchmarks/RESULTS.md, SFT AF and AJ). In
-    place, Inductor calls aten's addmm_ on the term's buffer."""
+    place, Inductor calls aten's addmm_ (under graphopt's name, ADDMM_) on the term's buffer."""
     graph.eliminate_dead_code()  # the decompositions' unused nodes, which would count as readers
     for node in graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default):
         term = node.args[0]
