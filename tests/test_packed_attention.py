@@ -141,6 +141,23 @@ def test_once_per_tensor_reuses_only_the_same_unchanged_tensor():
         assert [derive(frozen), derive(frozen)] == [2, 2] and len(calls) == 5
 
 
+def test_once_per_tensor_derives_at_every_call_while_a_cuda_graph_is_captured(monkeypatch):
+    """A capture holds its own derivation and keeps none: a CUDA graph's output comes back as the same tensor at
+    every replay, its contents new and its version the same, so a result kept from a capture would be another
+    batch's. After the capture, the result kept before it is the one reused."""
+    from graphopt.kernels import layout
+
+    calls = []
+    derive = layout.once_per_tensor(lambda t: calls.append(t.tolist()) or t.sum().item())
+    before, captured = torch.tensor([0, 1, 2]), torch.tensor([5, 5])
+    assert derive(before) == 3 and len(calls) == 1
+    monkeypatch.setattr(layout, "capturing", lambda: True)
+    assert [derive(captured), derive(captured), derive(before)] == [10, 10, 3] and len(calls) == 4
+    monkeypatch.setattr(layout, "capturing", lambda: False)
+    assert derive(before) == 3 and len(calls) == 4
+    assert derive(captured) == 10 and len(calls) == 5
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="the flash kernels run on CUDA")
 def test_cuda_runs_the_flash_kernels():
     """bf16 on CUDA takes the variable-length flash kernels (no [L × L] scores)."""

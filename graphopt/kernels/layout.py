@@ -115,12 +115,18 @@ def once_per_tensor(derive):
     writing into a buffer does not, so t must be a graph input (which compiled code never writes) or a buffer the
     graph computes once and every layer reads (the padded attention's keep, passes/attention.py _on_device):
     compiled code hands a buffer on to another value only after its last reader. Inference tensors have no version
-    counter and are derived at every call."""
+    counter and are derived at every call.
+
+    While a CUDA graph is being captured, derive runs at every call and nothing is kept: each capture then holds
+    its own derivation, replayed with it. A result kept across captures would tie one graph's replay to buffers
+    that another capture (or an eager run) wrote, where CUDA graph trees neither see the dependency nor keep the
+    buffers, and a graph's output comes back as the same tensor at every replay, its contents new and its version
+    the same: the reuse would read another batch's result."""
     last = [None, -1, None]  # a weak reference to the tensor, its version, derive's result
 
     @functools.wraps(derive)
     def once(t):
-        if t.is_inference():
+        if t.is_inference() or capturing():
             return derive(t)
         ref, version, result = last
         if ref is not None and ref() is t and version == t._version:

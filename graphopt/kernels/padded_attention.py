@@ -53,7 +53,8 @@ def _sequences(keep):
     """(the flat indices b·L + t of the batch's kept tokens, row after row, then of its padding [B·L]; cumulative
     sequence starts [B + 1] int32, one sequence a row over its kept tokens; [B·L] bool, true at the padding's
     rows in that order), once for the keep every layer's forward and backward read: a few small launches from
-    the host, which would otherwise run in each of the 8B step's 64 calls (benchmarks/RESULTS.md, SFT AH)."""
+    the host, which would otherwise run in each of the 8B step's 64 calls (benchmarks/RESULTS.md, SFT AH). Under
+    CUDA graphs, whose replays cost the host nothing, each call's capture holds its own (layout.once_per_tensor)."""
     order = torch.argsort((~keep.flatten()).to(torch.uint8), stable=True)
     kept = keep.sum(1, dtype=torch.int32)
     bounds = torch.cat([kept.new_zeros(1), kept.cumsum(0, dtype=torch.int32)])
