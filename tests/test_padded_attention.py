@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-import graphopt  # noqa: F401  (registers the graphopt ops)
+import graphopt
 from graphs import relative_error
 from models import ARCHITECTURES, SYMBOLIC_LENGTH, tiny_lora_model
-from test_batches import compile_and_compare
+from test_batches import compile_and_compare, loss_and_grads
 from texts import VOCAB, pad_batch, sentences
 
 OP = torch.ops.graphopt.padded_attention.default
@@ -179,6 +179,39 @@ def test_hf_padded_batches_fuse_and_train_the_same(arch, fresh_dynamo):
     data = sentences()
     batches = [pad_batch(rows) for rows in (data[0:4], data[8:12])][:2 if arch in SYMBOLIC_LENGTH else 1]
     fused_attention(model, batches, "attention_padded")
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="CUDA graphs and the flash kernels need a GPU")
+def test_cuda_graph_replays_of_padded_batches_of_one_length_attend_each_batchs_own_tokens(fresh_dynamo):
+    """bf16 on CUDA, every batch padded to one length with padding of its own (a collator's pad_to_multiple_of):
+    the static graph is recorded as CUDA graphs around the flash kernels, then replayed. Each step's loss and LoRA
+    gradients are those of the same compile without CUDA graphs, so no replay reads the sequences of another
+    batch or of another capture (layout.once_per_tensor keeps nothing from a capture: RESULTS.md SFT AK)."""
+    from graphopt.kernels import padded_attention
+
+    data = sentences()
+    width = max(len(r["input_ids"]) for r in data[:16])
+    batches = [{k: v.cuda() for k, v in pad_batch(data[i:i + 4], width).items()} for i in (0, 4, 8, 12, 0)]
+    assert len({tuple(b["attention_mask"].sum(1).tolist()) for b in batches}) == 4
+    model = tiny_lora_model("llama", torch.bfloat16, vocab_size=VOCAB, hidden_size=128, num_attention_heads=2,
+                            num_key_value_heads=1).cuda()
+    q, k, v = inputs(4, 2, 1, width, 64, torch.bfloat16, "cuda")
+    assert padded_attention.supported(q, k, v)
+    steps = {}
+    for graphs in (False, True):
+        torch._dynamo.reset()
+        before = len(graphopt.reports())
+        compiled = torch.compile(model, backend="graphopt", options={"cuda_graphs": graphs})
+        steps[graphs] = []
+        for batch in batches:  # CUDA graph trees: the first step warms up, the second records, the rest replay
+            torch.compiler.cudagraph_mark_step_begin()
+            steps[graphs].append(loss_and_grads(compiled, batch))
+        (report,) = graphopt.reports()[before:]
+        assert report.cuda_graphs["on"] == graphs
+        assert report.summary().get("attention_padded") == model.config.num_hidden_layers
+    for (loss, grads), (expected_loss, expected_grads) in zip(steps[True], steps[False]):
+        assert relative_error(loss.float(), expected_loss.float()) <= 1e-2
+        assert all(relative_error(grads[n].float(), expected_grads[n].float()) <= 1e-2 for n in grads)
 
 
 def test_gemma3_sliding_window_layers_fuse_with_the_padding(fresh_dynamo):
