@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import graphopt
@@ -343,6 +344,25 @@ def test_traced_accumulate_adds_onto_the_term_in_place_in_inductors_code(monkeyp
         results, (code, *_) = run_and_get_code(torch.compile(step, backend="inductor"), *inputs)
     assert code.count("torch.ops.graphopt_traced.addmm_.default(") == 1, code
     assert all(relative_error(r, e) <= 1e-6 for r, e in zip(results, step(*inputs)))
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 40), inner=st.integers(1, 24), cols=st.integers(1, 40),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_traced_addmm_in_place_accumulates_as_an_fp64_matmul_and_passes_opcheck(rows, inner, cols, dtype, seed):
+    """graphopt_traced::addmm_ (lowering/traced.py ADDMM_): term += mat1·mat2 in place, nothing returned, against
+    the sum computed in fp64 from the same inputs; its schema, fake and dispatch through torch.library.opcheck."""
+    from graphopt.lowering import traced
+
+    g = torch.Generator().manual_seed(seed)
+    term, mat1, mat2 = (torch.randn(shape, generator=g).to(dtype) for shape in ((rows, cols), (rows, inner),
+                                                                                  (inner, cols)))
+    expected = term.double() + mat1.double() @ mat2.double()
+    storage = term.data_ptr()
+    assert traced.ADDMM_(term, mat1, mat2) is None
+    assert term.data_ptr() == storage
+    assert relative_error(term, expected) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    torch.library.opcheck(traced.ADDMM_, (term, mat1, mat2))
 
 
 def test_an_op_whose_trace_fails_is_called_directly_and_the_note_says_so(monkeypatch):

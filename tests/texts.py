@@ -16,7 +16,7 @@ def sentences(max_len: int = 160) -> list:
     return [{"input_ids": list(s.encode())[:max_len]} for s in parts if len(s) > 8]
 
 
-def pad_batch(rows: list, width: int = None) -> dict:
+def pad_batch(rows: list, width: int | None = None) -> dict:
     """input_ids, attention_mask and labels padded to the batch's longest row (or to width, as a collator's
     pad_to_multiple_of pads batches to one length); padding is -100 in labels."""
     width = width or max(len(r["input_ids"]) for r in rows)
