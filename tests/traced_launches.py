@@ -1,6 +1,7 @@
 """lowering/traced.py's trace of the LoRA ops on the NVIDIA launch path, on a machine without a GPU.
 
     python tests/traced_launches.py LAYERS [WIDTH]        → one JSON line: what the traced graph holds
+    python tests/traced_launches.py LAYERS attention      → the same for RoPE's and the padded attention's calls
 
 A graph of LAYERS LoRA layers' graphopt calls (forward and backward, their input WIDTH features wide, 64 if not
 given) and a gated activation's backward each, over a symbolic token count, as Dynamo's dynamic graphs have it, goes
@@ -13,6 +14,7 @@ kernel for the GPU) gives way to the kernels' declared outputs. tests/test_lower
 own: Triton's interpreter (which the CPU tests use) makes kernels that cannot be traced.
 """
 
+import collections
 import json
 import sys
 
@@ -45,25 +47,63 @@ def lora_calls_over_symbolic_tokens(layers, width=64):
                 outputs.append(gate)
         return outputs
 
-    shape_env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=shape_env)
-
-    def fake(t, dynamic_dim=None):
-        sizes = [DimDynamic.DYNAMIC if i == dynamic_dim else DimDynamic.STATIC for i in range(t.dim())]
-        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
-
+    mode, fake = _symbolic()
     x = fake(torch.randn(1, 100, width, dtype=torch.bfloat16), 1)
     w, a = fake(torch.randn(96, width, dtype=torch.bfloat16)), fake(torch.randn(16, width))
     b = fake(torch.randn(96, 16))
     with mode:
         grad = torch.empty(1, x.shape[1], 96, dtype=torch.bfloat16)
-        return make_fx(step, tracing_mode="real")(x, w, a, b, grad), shape_env
+        return make_fx(step, tracing_mode="real")(x, w, a, b, grad), mode.shape_env
 
 
-# Each graphopt kernel's outputs, the arguments it writes (kernels/lora.py, kernels/gated_activation.py)
+def attention_calls_over_symbolic_tokens(layers):
+    """The graph of `layers` attention layers' RoPE and padded-attention calls (GQA: 4 query heads, 2 key/value
+    heads of 64), forward and backward, over a symbolic length of a batch of 2 padded rows, and its shape
+    environment. Each layer's q and k, and the gradient of its output, are pointwise values computed in the graph;
+    every layer reads the one keep."""
+    import graphopt  # noqa: F401  (the graphopt ops)
+
+    ops = torch.ops.graphopt
+
+    def step(q, k, v, keep, cos, sin, grad):
+        outputs = []
+        for layer in range(layers):
+            q_layer, k_layer = ops.rope(q * (layer + 2), k * (layer + 2), cos, sin)
+            out, lse = ops.padded_attention(q_layer, k_layer, v, keep, 0.125)
+            dq, dk, dv = ops.padded_attention_backward(grad * (layer + 2), q_layer, k_layer, v, keep, out, lse, 0.125)
+            outputs += [out, dv, *ops.rope_backward(dq, dk, cos, sin)]
+        return outputs
+
+    mode, fake = _symbolic()
+    q = fake(torch.randn(2, 4, 100, 64, dtype=torch.bfloat16), 2)
+    k, v = (fake(torch.randn(2, 2, 100, 64, dtype=torch.bfloat16), 2) for _ in range(2))
+    keep = fake(torch.ones(2, 100, dtype=torch.bool), 1)
+    cos, sin = (fake(torch.randn(1, 100, 64, dtype=torch.bfloat16), 1) for _ in range(2))
+    with mode:
+        grad = torch.empty(2, q.shape[2], 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    return make_fx(step, tracing_mode="real")(q, k, v, keep, cos, sin, grad), mode.shape_env
+
+
+def _symbolic():
+    """A fake mode with a shape environment, and a function that makes a fake of a tensor whose dimension
+    dynamic_dim (if given) is a symbol: one symbol for every dynamic size of one value (duck sizing, as Dynamo's
+    graphs have it)."""
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fake(t, dynamic_dim=None):
+        sizes = [DimDynamic.DUCK if i == dynamic_dim else DimDynamic.STATIC for i in range(t.dim())]
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+    return mode, fake
+
+
+# Each graphopt kernel's outputs, the arguments it writes (kernels/lora.py, kernels/gated_activation.py,
+# kernels/rope.py, kernels/padded_attention.py)
 WRITES = {"_project_kernel": ("Y",), "_reduce_rows_pair_kernel": ("P",), "_sum_splits_kernel": ("FIRST", "SECOND"),
-          "_add_low_rank_kernel": ("OUT",), "_gated_backward_kernel": ("DG", "DU")}
-IN_PLACE_WRITES = {"_gated_backward_kernel": ("G", "U")}  # with IN_PLACE=True
+          "_add_low_rank_kernel": ("OUT",), "_gated_backward_kernel": ("DG", "DU"), "_rope_kernel": ("QO", "KO"),
+          "_rows_kernel": ("PADDED",)}
+# with IN_PLACE=True, TO_FLAT=True
+FLAG_WRITES = {"_gated_backward_kernel": ("IN_PLACE", ("G", "U")), "_rows_kernel": ("TO_FLAT", ("FLAT",))}
 
 
 def declared_accesses(kernel, kwargs, tma_descriptor_metadata):
@@ -76,7 +116,8 @@ def declared_accesses(kernel, kwargs, tma_descriptor_metadata):
 
     tensors = [name for name, value in kwargs.items() if isinstance(value, (torch.Tensor, TensorBox))]
     name = getattr(kernel, "fn", kernel).__name__
-    written = IN_PLACE_WRITES[name] if kwargs.get("IN_PLACE") else WRITES[name]
+    flag, flagged = FLAG_WRITES.get(name, (None, None))
+    written = flagged if flag and kwargs.get(flag) else WRITES[name]
     return TensorAccesses(ReadWrites(reads=OrderedSet(StarDep(name) for name in tensors),
                                      writes=OrderedSet(StarDep(name) for name in tensors if name in written),
                                      index_exprs=OrderedSet()), can_fuse_epilogue=False)
@@ -114,10 +155,11 @@ def lowered(gm, shape_env):
 def main(layers, width):
     from torch._higher_order_ops import triton_kernel_wrap
 
-    from graphopt.kernels import layout
+    from graphopt.kernels import layout, padded_attention
     from graphopt.lowering import registry, traced
     from graphopt.lowering.direct import DirectCalls, traced_note
 
+    padded_attention.supported = lambda q, k, v: True  # the flash kernels' inputs, but for the device
     layout.platform = lambda t: "cuda"
     layout.multiprocessors = lambda device: 132  # the H100's and H200's
     traced._probe = lambda *args: None
@@ -125,7 +167,10 @@ def main(layers, width):
     traces = []
     trace = traced._trace
     traced._trace = lambda *args: traces.append(str(args[0])) or trace(*args)
-    gm, shape_env = lora_calls_over_symbolic_tokens(layers, width)
+    if width == "attention":
+        gm, shape_env = attention_calls_over_symbolic_tokens(layers)
+    else:
+        gm, shape_env = lora_calls_over_symbolic_tokens(layers, int(width))
     lowering = registry.lowering_for("cuda")
     calls = DirectCalls(lowering.direct_calls, lowering.traced_launches)
     calls(gm.graph)
@@ -142,8 +187,14 @@ def main(layers, width):
              for k in named("_gated_backward_kernel")]
     buffers, clones = lowered(gm, shape_env)
     print(json.dumps({
-        "graphopt_calls_left": [str(t) for t in targets if "graphopt" in str(t) and t is not traced.ADDMM_],
+        "graphopt_calls_left": [str(t) for t in targets if "graphopt" in str(t)
+                                and t not in (traced.ADDMM_, padded_attention.SEQUENCES)],
+        "sequences_calls": sum(t is padded_attention.SEQUENCES for t in targets),
         "launches": len(launches),
+        "kernels": collections.Counter(side_table.get_kernel(k["kernel_idx"]).fn.__name__ for k in launches),
+        "sorts": sum(t is torch.ops.aten.sort.stable for t in targets),
+        "flash_calls": sum(t in (torch.ops.aten._flash_attention_forward.default,
+                                 torch.ops.aten._flash_attention_backward.default) for t in targets),
         "gated_launches_in_place": gated,
         "projection_splits": [int(k["grid"][0][2]) for k in named("_project_kernel")],
         "addmms": sum(t is torch.ops.aten.addmm.default for t in targets),
@@ -158,4 +209,4 @@ def main(layers, width):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 64)
+    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else 64)

@@ -101,6 +101,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def known_zero(size) -> bool:
+    """Whether a launch's size is 0, where that is known without a guard: a symbolic size (a dynamic graph's,
+    traced) is at least 2."""
+    return isinstance(size, int) and size == 0
+
+
 def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     """t as a [rows, n_cols] matrix with unit column stride: a view when possible, else a contiguous copy."""
     rows = t.reshape(-1, n_cols)
@@ -121,12 +127,15 @@ def once_per_tensor(derive):
     its own derivation, replayed with it. A result kept across captures would tie one graph's replay to buffers
     that another capture (or an eager run) wrote, where CUDA graph trees neither see the dependency nor keep the
     buffers, and a graph's output comes back as the same tensor at every replay, its contents new and its version
-    the same: the reuse would read another batch's result."""
+    the same: the reuse would read another batch's result.
+
+    Where a launch function is traced (launches_traced), derive runs at every call too: its operations join each
+    call's trace, and the graph computes them once (lowering/traced.py share_repeats)."""
     last = [None, -1, None]  # a weak reference to the tensor, its version, derive's result
 
     @functools.wraps(derive)
     def once(t):
-        if t.is_inference() or capturing():
+        if t.is_inference() or capturing() or tracing():
             return derive(t)
         ref, version, result = last
         if ref is not None and ref() is t and version == t._version:

@@ -54,11 +54,32 @@ def _sequences(keep):
     sequence starts [B + 1] int32, one sequence a row over its kept tokens; [B·L] bool, true at the padding's
     rows in that order), once for the keep every layer's forward and backward read: a few small launches from
     the host, which would otherwise run in each of the 8B step's 64 calls (benchmarks/RESULTS.md, SFT AH). Under
-    CUDA graphs, whose replays cost the host nothing, each call's capture holds its own (layout.once_per_tensor)."""
+    CUDA graphs, whose replays cost the host nothing, each call's capture holds its own (layout.once_per_tensor).
+    An op of its own (SEQUENCES), so that a traced launch records it as one call, which the graph makes once
+    (lowering/traced.py share_repeats) and Inductor calls as it is: lowered by Inductor, the sort of the symbolic
+    B·L flags would add a guard on the length (a recompile past 32,767 tokens)."""
+    return SEQUENCES(keep)
+
+
+def _derive_sequences(keep):
     order = torch.argsort((~keep.flatten()).to(torch.uint8), stable=True)
     kept = keep.sum(1, dtype=torch.int32)
     bounds = torch.cat([kept.new_zeros(1), kept.cumsum(0, dtype=torch.int32)])
     return order, bounds, torch.arange(keep.numel(), device=keep.device) >= bounds[-1]
+
+
+def _sequences_fake(keep):
+    tokens = keep.numel()
+    return (keep.new_empty(tokens, dtype=torch.int64), keep.new_empty(keep.shape[0] + 1, dtype=torch.int32),
+            keep.new_empty(tokens, dtype=torch.bool))
+
+
+# A plain op of the dispatcher (as lowering/traced.py's ADDMM_), without torch.library.custom_op's Python layers
+_LIBRARY = torch.library.Library("graphopt_padded", "DEF")
+_LIBRARY.define("sequences(Tensor keep) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.impl("sequences", _derive_sequences, "CompositeExplicitAutograd")
+torch.library.register_fake("graphopt_padded::sequences", _sequences_fake, lib=_LIBRARY)
+SEQUENCES = torch.ops.graphopt_padded.sequences.default
 
 
 @triton.jit(do_not_specialize=["length"])
@@ -90,10 +111,10 @@ def _move_rows(padded, flat, order, bounds, to_flat):
     """Between padded [B, H, L, D] (any strides) and flat [B·L, H, D] in `order`, either way: the padding's rows
     of flat neither written nor read, its tokens of padded written as zeros."""
     batch, heads, length, dim = padded.shape
-    if batch * length == 0:
+    if layout.known_zero(batch * length):
         return
     block_h, block_d = layout.next_power_of_2(heads), layout.next_power_of_2(dim)
-    _rows_kernel[(batch * length,)](
+    layout.launcher(_rows_kernel)[(batch * length,)](
         padded, flat, order, bounds[batch:], length, heads, dim, *padded.stride(), *flat.stride(), TO_FLAT=to_flat,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=layout.num_warps(padded, 4 if block_h * block_d <= 4096 else 8))
 
@@ -108,8 +129,11 @@ def _flat(x, order, bounds):
 
 def _unflat(y, order, bounds, batch, length):
     """The inverse of _flat: [B·L, H, D] in `order` → [B, H, L, D] stored [B, L, H, D] (the op's output layout),
-    the padding's tokens zero."""
-    out = torch.empty(batch, length, *y.shape[1:], dtype=y.dtype, device=y.device).transpose(1, 2)
+    the padding's tokens zero. Allocated with its strides, not as a view: a traced launch's kernels write only
+    tensors the trace made (lowering/traced.py)."""
+    heads, dim = y.shape[1:]
+    out = torch.empty_strided((batch, heads, length, dim), (length * heads * dim, dim, heads * dim, 1),
+                              dtype=y.dtype, device=y.device)
     _move_rows(out, y, order, bounds, to_flat=False)
     return out
 
@@ -117,8 +141,8 @@ def _unflat(y, order, bounds, batch, length):
 def longest_for_kernels(length):
     """The longest sequence, as the kernels are told it (it sizes their grid): at 1 the forward takes a decoding path
     that folds GQA's query heads into the sequence and assumes one query per sequence, which the padding's empty
-    sequences break; 2 bounds it as well."""
-    return max(length, 2)
+    sequences break; 2 bounds it as well. A symbol's maximum where the launch is traced, which adds no guard."""
+    return torch.sym_max(length, 2)
 
 
 def window_sizes(window):
@@ -144,7 +168,9 @@ def padded_attention_backward(grad_out, q, k, v, keep, out, lse, scale, window=N
     batch, _, length, _ = q.shape
     order, bounds, _ = _sequences(keep)
     longest = longest_for_kernels(length)
-    no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state dropout would have used
+    # the RNG state dropout would have used, which the kernels read only with dropout: left unwritten, as a fill of
+    # uint64 is not a kernel to leave to Inductor's code generation where the launch is traced
+    no_dropout = torch.empty(2, dtype=torch.uint64, device=q.device)
     grads = torch.ops.aten._flash_attention_backward(
         *(_flat(t, order, bounds) for t in (grad_out, q, k, v, out)), lse, bounds, bounds, longest, longest, 0.0,
         True, no_dropout, torch.empty(0, device=q.device), scale=scale, **window_sizes(window))

@@ -71,14 +71,16 @@ def _launch(q, k, cos, sin, backward):
     q_rows, k_rows = q.numel() // head_dim, k.numel() // head_dim
     elements = 65536 if layout.platform(q) == "cpu" else 4096  # the interpreter wants few, large programs
     row_elements = layout.next_power_of_2(2 * block_h + block_p)
-    block_m = max(1, min(elements // row_elements, layout.next_power_of_2(max(q_rows, k_rows, 1))))
+    block_m = elements // row_elements
+    if isinstance(q_rows, int):  # a symbolic row count (a traced launch's) may not be branched on
+        block_m = max(1, min(block_m, layout.next_power_of_2(max(q_rows, k_rows, 1))))
     q_programs = layout.cdiv(q_rows, block_m)
     programs = q_programs + layout.cdiv(k_rows, block_m)
-    if programs:
-        _rope_kernel[(programs,)](q, k, q_out, k_out, cos, sin, q_programs, batch, seq, q_heads, k_heads,
-                                  *q.stride(), *k.stride(), *cos.stride(), head_dim, rot_dim,
-                                  BACKWARD=backward, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_P=block_p,
-                                  num_warps=layout.num_warps(q, 4))
+    if not layout.known_zero(programs):
+        layout.launcher(_rope_kernel)[(programs,)](
+            q, k, q_out, k_out, cos, sin, q_programs, batch, seq, q_heads, k_heads, *q.stride(), *k.stride(),
+            *cos.stride(), head_dim, rot_dim, BACKWARD=backward, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_P=block_p,
+            num_warps=layout.num_warps(q, 4))
     return q_out, k_out
 
 

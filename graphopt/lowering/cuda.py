@@ -491,7 +491,10 @@ KERNELS = {
 
 # The launch functions traced into the graphs that run without CUDA graphs, whose kernels Inductor then launches
 # (lowering/traced.py): the LoRA layers', six Triton launches and two matmuls an adapted projection and step, the
-# most of any op. On NVIDIA only: the traced form has not run on AMD GPUs.
+# most of any op; RoPE's and the padded attention's (its row moves and the flash kernels' calls: about 0.5 ms of
+# host time a layer launched from Python, benchmarks/RESULTS.md SFT AL), whose derivation of the batch's sequences
+# the graph computes once (traced.share_repeats). Not the packed attention's, which waits for the GPU to find its
+# documents. On NVIDIA only: the traced form has not run on AMD GPUs.
 # And the gated activation's backward, not decomposed there: where the backward graph reads the recomputed gate and
 # up projections no more (the lean mode recomputes them), its kernel writes their gradients over them, as
 # Unsloth's SwiGLU backward does, where Inductor's fused kernel writes two new [tokens, MLP width] buffers (each
@@ -499,7 +502,10 @@ KERNELS = {
 # (benchmarks/RESULTS.md, SFT AD). Elsewhere its reference is traced, which Inductor fuses as it fuses the
 # decomposition.
 TRACED = {op: KERNELS[op] for op in (torch.ops.graphopt.lora_down.default, torch.ops.graphopt.lora_linear.default,
-                                     torch.ops.graphopt.lora_linear_backward.default)}
+                                     torch.ops.graphopt.lora_linear_backward.default, torch.ops.graphopt.rope.default,
+                                     torch.ops.graphopt.rope_backward.default,
+                                     torch.ops.graphopt.padded_attention.default,
+                                     torch.ops.graphopt.padded_attention_backward.default)}
 TRACED[torch.ops.graphopt.gated_activation_backward.default] = traced.InPlace(
     gated_activation.gated_activation_backward_in_place, overwrites=(1, 2),
     otherwise=reference.gated_activation_backward)

@@ -19,6 +19,7 @@ graph reads those inputs no more, and Inductor's reinplacing pass, which follows
 inputs' own buffers. Elsewhere the op's other function is traced.
 """
 
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -80,6 +81,7 @@ def inline(graph: torch.fx.Graph, node: torch.fx.Node, function, traces: dict) -
                     outputs = pytree.tree_map(lambda a: env[a] if isinstance(a, torch.fx.Node) else a, n.args[0])
                 else:
                     env[n] = new = graph.node_copy(n, lambda a: env[a])
+                    new.meta[_INLINED] = True
                     added.append(new)
                     if copy:  # its own fake values: a copy's tensors alias those of its own trace only
                         args, kwargs = torch.fx.map_arg((new.args, new.kwargs), lambda a: a.meta["val"])
@@ -95,6 +97,63 @@ def inline(graph: torch.fx.Graph, node: torch.fx.Node, function, traces: dict) -
     else:
         node.replace_all_uses_with(outputs)
     graph.erase_node(node)
+
+
+_INLINED = "graphopt_traced"  # the meta key that marks the nodes inline added
+
+
+def share_repeats(graph: torch.fx.Graph) -> None:
+    """Each node that inline added and that repeats an earlier one (the same operation of the same arguments) is
+    replaced by it. Ops that derive one value from a tensor that every layer reads (the padded attention's order
+    and bounds from the batch's keep: kernels/padded_attention.py _sequences) then run once in the graph, where
+    each layer's trace holds them; a launch function cannot keep them from one trace to the next. Only operations
+    whose result follows from their arguments (not in-place ones, random draws or allocations), and whose result
+    no kernel writes: each kernel's output stays a buffer of its own, which Inductor's reinplacing writes in
+    place."""
+    seen = {}
+    for node in list(graph.nodes):
+        if not node.meta.get(_INLINED) or not _repeatable(node.target) or _written(node):
+            continue
+        key = (node.target, _frozen(node.args), _frozen(node.kwargs))
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+        else:
+            seen[key] = node
+
+
+_ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+                torch.ops.aten.new_empty_strided.default)
+
+
+def _repeatable(target) -> bool:
+    if getattr(target, "__module__", None) == "_operator":  # getitem, and arithmetic on the graph's symbols
+        return True
+    return (isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in target.tags and target not in _ALLOCATIONS)
+
+
+def _written(node: torch.fx.Node) -> bool:
+    """Whether a traced kernel writes node's result (the functional form's tensors_to_clone)."""
+    return any(user.target is torch.ops.higher_order.triton_kernel_wrapper_functional
+               and any(user.kwargs["kwargs"][name] is node for name in user.kwargs["tensors_to_clone"])
+               for user in node.users)
+
+
+def _frozen(value):
+    """value (a node's arguments) as a hashable key."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _frozen(v)) for k, v in sorted(value.items()))
+    if isinstance(value, slice):
+        return slice, _frozen(value.start), _frozen(value.stop), _frozen(value.step)
+    try:
+        hash(value)
+    except TypeError:
+        return type(value), repr(value)
+    return value
 
 
 def last_reader(node: torch.fx.Node, positions) -> bool:
@@ -224,7 +283,7 @@ def _signature(value):
     return str(value)
 
 
-_MADE = (torch.ops.aten.empty.memory_format,)  # the trace's own tensors
+_MADE = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)  # the trace's own tensors
 
 
 def _check_writes(graph: torch.fx.Graph, op, overwritten=()) -> None:
