@@ -335,6 +335,38 @@ def test_traced_rope_and_padded_attention_launch_from_inductors_code_and_find_th
     assert "padded_attention, padded_attention_backward, rope, rope_backward are traced" in result["note"]
 
 
+def test_share_repeats_merges_only_what_traces_added_and_what_follows_from_its_arguments():
+    """traced.share_repeats: of two inlined nodes of one operation on the same arguments the second reads the first's
+    result (and so do their repeated users); the graph's own nodes, allocations, random draws and a tensor a traced
+    kernel writes stay as they are."""
+    from graphopt.lowering import traced
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+
+    def inlined(target, *args, **kwargs):
+        node = graph.call_function(target, args, kwargs)
+        node.meta[traced._INLINED] = True
+        return node
+
+    negs = [inlined(aten.neg.default, x) for _ in range(2)]
+    sums = [inlined(aten.sum.default, neg) for neg in negs]  # equal once the negs are one
+    own = [graph.call_function(aten.neg.default, (x,)) for _ in range(2)]
+    empties = [inlined(aten.empty.memory_format, [4], dtype=torch.float32) for _ in range(2)]
+    draws = [inlined(aten.rand_like.default, x) for _ in range(2)]
+    written = [inlined(aten.clone.default, x) for _ in range(2)]
+    launches = [inlined(torch.ops.higher_order.triton_kernel_wrapper_functional, kernel_idx=0, constant_args_idx=0,
+                        grid=[(1, 1, 1)], tma_descriptor_metadata={}, kwargs={"OUT": w}, tensors_to_clone=["OUT"])
+                for w in written]
+    graph.output((*sums, *own, *empties, *draws, *launches))
+    traced.share_repeats(graph)
+    left = list(graph.nodes)
+    assert negs[0] in left and negs[1] not in left and sums[0] in left and sums[1] not in left
+    assert all(n in left for n in own + empties + draws + written + launches)
+    assert graph.output_node().args[0][:2] == (sums[0], sums[0])
+
+
 def test_traced_accumulate_adds_onto_the_term_in_place_in_inductors_code(monkeypatch):
     """lowering/traced.py _accumulate_in_place as a post-grad pass, through Inductor's code generation and run (CPU):
     the addmm onto a term nothing else reads becomes graphopt_traced::addmm_ on the term's buffer, one whose term is
