@@ -1,4 +1,5 @@
-"""lowering/traced.py's trace of the LoRA ops on the NVIDIA launch path, on a machine without a GPU.
+"""lowering/traced.py's trace of the LoRA, RoPE and padded-attention ops on the NVIDIA launch path, on a machine
+without a GPU.
 
     python tests/traced_launches.py LAYERS [WIDTH]        → one JSON line: what the traced graph holds
     python tests/traced_launches.py LAYERS attention      → the same for RoPE's and the padded attention's calls
@@ -11,7 +12,8 @@ gated backward's gate and up too, which no later node reads but in the last laye
 The launch settings are NVIDIA's, taken on CPU tensors (kernels/layout.py platform); the eager launch that fits the
 configs needs a GPU and stands aside, and torch's analysis of which arguments a kernel writes (it compiles the
 kernel for the GPU) gives way to the kernels' declared outputs. tests/test_lowering.py runs this in a process of its
-own: Triton's interpreter (which the CPU tests use) makes kernels that cannot be traced.
+own: Triton's interpreter (which the CPU tests use) makes kernels that cannot be traced. The attention graph is
+described at attention_calls_over_symbolic_tokens; the flash kernels' inputs are taken as supported on the CPU.
 """
 
 import collections
