@@ -135,8 +135,8 @@ def test_cuda_runs_the_flash_kernels():
 def test_the_row_kernel_moves_tokens_as_indexing_does(lengths, extra, kind, heads, dim, dtype, stored_bhld):
     """kernels/padded_attention.py's reordering (Triton: on the GPU where there is one, else the interpreter on the
     CPU) against aten's indexing: the batch's kept tokens to the front of the flat layout, row after row, and back
-    with the padding zero, from [B, H, L, D] stored either way; the sequences' bounds one a row over its kept
-    tokens."""
+    with the padding zero, from [B, H, L, D] stored either way; the sequences (graphopt_padded::sequences): the kept
+    tokens' flat indices first, then the padding's, and the bounds one a row over its kept tokens."""
     from graphopt.kernels import padded_attention
 
     device = DEVICES[-1]
@@ -148,6 +148,8 @@ def test_the_row_kernel_moves_tokens_as_indexing_does(lengths, extra, kind, head
     x = x if stored_bhld else x.transpose(1, 2)
     order, bounds, padding = padded_attention._sequences(keep)
     kept = keep.sum().item()
+    flat = keep.flatten().tolist()
+    assert order.tolist() == [i for i, k in enumerate(flat) if k] + [i for i, k in enumerate(flat) if not k]
     assert bounds.tolist() == [0, *keep.sum(1).cumsum(0).tolist()] and bounds.dtype == torch.int32
     assert padding.tolist() == [row >= kept for row in range(keep.numel())]
     tokens = x.transpose(1, 2).reshape(-1, heads, dim)  # [B·L, H, D], row b's token t at b·L + t
@@ -155,6 +157,17 @@ def test_the_row_kernel_moves_tokens_as_indexing_does(lengths, extra, kind, head
     back = padded_attention._unflat(tokens[order], order, bounds, len(lengths), length)
     assert back.shape == x.shape and back.transpose(1, 2).is_contiguous()
     assert torch.equal(back, x * keep[:, None, :, None])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lengths", [[3, 0, 5], [7]], ids=["a row of padding only", "one row"])
+def test_the_sequences_op_passes_opcheck(device, lengths):
+    """graphopt_padded::sequences, the op that derives a batch's sequences once a graph where the launches are
+    traced: its schema, fake and dispatch (torch.library.opcheck); its values, above."""
+    from graphopt.kernels import padded_attention
+
+    keep = keep_mask(lengths, 8, holes=True).to(device)
+    torch.library.opcheck(padded_attention.SEQUENCES, (keep,))
 
 
 # Mistral's sliding window (its mask adds kv > q - window) narrower than the sentences, so that it bites

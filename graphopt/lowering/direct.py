@@ -80,7 +80,8 @@ class DirectCalls(CustomGraphPass):
                     failed.add(node.target)
                     self.untraced.append((str(node.target), repr(error)))
             node.target = self.calls[node.target]
-        traced_launches.share_repeats(graph)
+        if traces:
+            traced_launches.share_repeats(graph)
 
     def uuid(self):
         """What Inductor's FX graph cache keys a graph with; None (not cached) where a pass before it has none."""

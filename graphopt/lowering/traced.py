@@ -122,6 +122,7 @@ def share_repeats(graph: torch.fx.Graph) -> None:
             seen[key] = node
 
 
+# the trace's own tensors: uninitialized, each a buffer of its own
 _ALLOCATIONS = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                 torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
                 torch.ops.aten.new_empty_strided.default)
@@ -283,9 +284,6 @@ def _signature(value):
     return str(value)
 
 
-_MADE = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)  # the trace's own tensors
-
-
 def _check_writes(graph: torch.fx.Graph, op, overwritten=()) -> None:
     """The trace writes only tensors it made (allocations) and the inputs (placeholders) it overwrites. torch's
     analysis of which arguments a Triton kernel writes (its TTIR) can fail, and then takes every argument as
@@ -295,7 +293,7 @@ def _check_writes(graph: torch.fx.Graph, op, overwritten=()) -> None:
             raise NotImplementedError(f"{op}: its launch function made a tensor constant")
         if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
             written = [n.kwargs["kwargs"][name] for name in n.kwargs["tensors_to_clone"]]
-            if any(w.target not in _MADE and w not in overwritten for w in written):
+            if any(w.target not in _ALLOCATIONS and w not in overwritten for w in written):
                 raise NotImplementedError(f"{op}: a kernel's writes were not found (torch's analysis of its "
                                           f"TTIR), so it would be taken to write its inputs")
 
