@@ -31,8 +31,8 @@ def init_rank(rank, init):
 def _rank(rank, target, *args):
     """target(rank, *args), then the process ends at once. The rank's work is done by then (its results saved, its
     process group destroyed); the interpreter's teardown, which frees DeepSpeed's and gloo's objects in no set
-    order, once aborted a rank of the uncompiled DeepSpeed Trainer (std::terminate, SIGABRT) after its training ended,
-    failing a test whose numbers were right. An exception still reaches spawn as the rank's error."""
+    order, can abort a rank (std::terminate, SIGABRT) after that, failing a test whose numbers are right. An
+    exception still reaches spawn as the rank's error."""
     target(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()
