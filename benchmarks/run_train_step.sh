@@ -17,6 +17,8 @@
 #   LAUNCHER="torchrun --nproc-per-node 2" benchmarks/run_train_step.sh graphopt inductor -- --engine ddp --shape 8b
 # (several GPUs, one process each: benchmarks/engines.py). RESULTS=PATH appends to that results file instead of a
 # new one: the same variants run without LAUNCHER and --engine into it give the table its scaling column.
+# TORCHINDUCTOR_CPP_WRAPPER=1 has Inductor generate its wrapper in C++ for the compiled variants (the table marks
+# their rows).
 
 set -u
 cd "$(dirname "$0")/.."

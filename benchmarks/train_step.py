@@ -703,6 +703,9 @@ def run(args):
         "device_name": device_name(device),
         "host_link_gib_s": host_link,
         "launch_us": host_launch_us,
+        # Inductor's generated wrapper, where Inductor compiles: Python unless TORCHINDUCTOR_CPP_WRAPPER=1 asks for C++
+        "inductor_wrapper": ("C++" if torch._inductor.config.cpp_wrapper else "Python")
+        if args.variant in ("inductor", "graphopt") else None,
         # the caching allocator's settings: Unsloth sets expandable segments on import, graphopt when it compiles
         "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
         "allocator_note": next((n for n in graphopt.last_report().notes if n.startswith("CUDA allocator")), None)
@@ -812,6 +815,7 @@ def print_table(path):
         for r in group:
             label = r["variant"] + (f" {r['options']}" if r.get("options") not in (None, "{}") else "") + _engine(r)
             label += " (QLoRA nf4)" if r.get("quant") == "nf4" else ""
+            label += " (Inductor's C++ wrapper)" if r.get("inductor_wrapper") == "C++" else ""
             label += " (CUDA graphs: peak reserved)" if r.get("cuda_graphs") else ""
             print(f"| {label} | {_number(r['tokens_per_s'], 0)} | {_number(r['step_ms'], 1)} "
                   f"| {_number(_peak(r), 2)} "

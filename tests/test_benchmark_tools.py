@@ -207,6 +207,11 @@ def test_engines_train_on_two_processes_and_report_once(tmp_path, capsys, varian
     row = next(line for line in capsys.readouterr().out.splitlines() if f"({name} × 2)" in line)
     scaling = float(row.rstrip(" |").rsplit("|", 1)[1])
     assert scaling == pytest.approx(both["tokens_per_s"] / (2 * alone["tokens_per_s"]), abs=0.01)
+    # the record says which wrapper Inductor generated, and the table tells a C++ wrapper's row apart
+    assert alone["inductor_wrapper"] == ("Python" if variant == "graphopt" else None)
+    path.write_text(json.dumps({**alone, "inductor_wrapper": "C++"}) + "\n")
+    train_step.print_table(path)
+    assert "(Inductor's C++ wrapper)" in capsys.readouterr().out
 
 
 def test_an_engine_needs_a_launcher():
